@@ -1,0 +1,797 @@
+"""Pure tests for router.control: the line codec and a connection's session over the core.
+
+Playbook steps send real lines through `decode_line`, `ControlSession.handle` and
+`encode`, on named connections, and assert each reply and the whole state after it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from playbook import (
+    CONFLICTS,
+    Ans,
+    At,
+    Balance,
+    C,
+    Close,
+    Expect,
+    Fwd,
+    Playbook,
+    R,
+    Route,
+    Send,
+    Step,
+    Tick,
+    Ticked,
+    W,
+    default_url,
+    err,
+    hello,
+    ok,
+    policy,
+)
+
+from router.control import (
+    MAX_KEY_CHARS,
+    Peer,
+    decode_line,
+    encode,
+    is_loopback_url,
+    valid_upstream_url,
+)
+from router.core import CoreSettings
+
+ROUTER = {"router": "router-boot-1"}
+SETTINGS = CoreSettings(
+    kinds={"episode": False, "open": True},
+    lease_timeout_s=15.0,
+    reconnect_grace_s=5.0,
+    tombstone_ttl_s=100.0,
+    max_tombstones=1000,
+    recovery_window_s=30.0,
+)
+SECRET = "s3cret-shared"
+PEERS = {
+    "tcp": Peer(uid=None, tcp=True),
+    "stranger": Peer(uid=2000, tcp=False),
+    "friend": Peer(uid=3000, tcp=False),
+}
+U0 = default_url("w0")
+EXITED_W0 = {W("w0"): "exited", C("ep1"): "exited w0", R("w0"): 1}
+
+
+def book(**policy_args: Any) -> Playbook:
+    """A core whose recovery is over, and a control policy."""
+    settings = replace(SETTINGS, recovery_window_s=0.0)
+    playbook = Playbook(settings, control=policy(**policy_args), peers=PEERS)
+    return playbook.run([(Tick(), Ticked(recovery_ended=True))])
+
+
+def claim(request_id: object, key: str, **extra: Any) -> dict[str, Any]:
+    return {"op": "claim", "id": request_id, "key": key, **extra}
+
+
+def release(request_id: object, key: str, **extra: Any) -> dict[str, Any]:
+    return {"op": "release", "id": request_id, "key": key, **extra}
+
+
+def sync(request_id: object, *keys: str, more: bool = False) -> dict[str, Any]:
+    claims = [{"kind": "episode", "key": key} for key in keys]
+    return {"op": "sync", "id": request_id, "claims": claims, "more": more}
+
+
+def with_w0(conn: str = "a", **policy_args: Any) -> Playbook:
+    """w0 said hello on connection `conn` and holds ep1."""
+    return book(**policy_args).run(
+        [
+            (Send(conn, hello(1, "w0")), ok(1, **ROUTER), {W("w0"): f"live @{conn}"}),
+            (Send(conn, claim(2, "ep1")), ok(2), {C("ep1"): "held w0"}),
+        ]
+    )
+
+
+def with_w0_and_w1() -> Playbook:
+    """w0 (connection a) holds ep1; w1 (connection b) holds ep2."""
+    return with_w0().run(
+        [
+            (Send("b", hello(1, "w1")), ok(1, **ROUTER), {W("w1"): "live @b"}),
+            (Send("b", claim(2, "ep2")), ok(2), {C("ep2"): "held w1"}),
+        ]
+    )
+
+
+# -- the line codec ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"",
+        b"   ",
+        b"not json",
+        b"{",
+        b'{"op":"ping","id":1',
+        b'{"op":"ping","id":1}{"op":"ping","id":2}',
+        b"[]",
+        b'[{"op":"ping","id":1}]',
+        b'"ping"',
+        b"1",
+        b"null",
+        b"true",
+        b'{"op":"ping","id":"\xff"}',  # not UTF-8
+        b'{"op":"ping","id":"\xed\xa0\x80"}',  # an encoded surrogate is not UTF-8
+        b'\xef\xbb\xbf{"op":"ping","id":1}',  # a BOM: the protocol is plain UTF-8
+        '{"op":"ping","id":1}'.encode("utf-16"),
+        '{"op":"ping","id":1}'.encode("utf-16-le"),
+        '{"op":"ping","id":1}'.encode("utf-32"),
+        b"[" * 100_000 + b"]" * 100_000,  # deeper than the parser recurses
+        b'{"op":"ping","id":' + b"1" * 5000 + b"}",  # more digits than Python parses
+        b'{"op":"ping","id":true}',
+        b'{"op":"ping","id":false}',
+        b'{"op":"ping","id":1.5}',
+        b'{"op":"ping","id":1e3}',
+        b'{"op":"ping","id":[1]}',
+        b'{"op":"ping","id":{"a":1}}',
+        b'{"op":"ping","id":NaN}',
+    ],
+)
+def test_unparsable_lines_are_bad_request_with_a_null_id(line: bytes) -> None:
+    reply = decode_line(line)
+    assert set(reply) == {"id", "ok", "error", "detail"}
+    assert (reply["id"], reply["ok"], reply["error"]) == (None, False, "bad_request")
+    assert isinstance(reply["detail"], str) and reply["detail"].endswith(".")
+
+
+@pytest.mark.parametrize(
+    ("line", "request_id"),
+    [
+        (b'{"id":7}', 7),
+        (b'{"op":null,"id":"x"}', "x"),
+        (b'{"op":5,"id":7}', 7),
+        (b'{"op":["ping"]}', None),
+        (b'{"op":"ping","id":3,"ok":true}', 3),  # a reply sent back is not a request
+    ],
+)
+def test_requests_without_a_string_op_are_bad_request_with_their_id(
+    line: bytes, request_id: object
+) -> None:
+    reply = decode_line(line)
+    assert (reply["id"], reply["ok"], reply["error"]) == (request_id, False, "bad_request")
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"op": "ping", "id": 1},
+        {"op": "ping", "id": "req-1"},
+        {"op": "ping", "id": 0},
+        {"op": "ping", "id": -5},
+        {"op": "ping", "id": 2**62},
+        {"op": "ping", "id": None},
+        {"op": "ping"},
+        {"op": "whatever", "id": "é", "extra": [1, {"a": None}]},
+    ],
+)
+def test_well_formed_lines_decode_to_the_request(message: dict[str, Any]) -> None:
+    line = json.dumps(message).encode() + b"\r\n"
+    assert decode_line(line) == message
+
+
+def test_encode_writes_one_compact_line() -> None:
+    assert encode({"id": 1, "ok": True}) == b'{"id":1,"ok":true}\n'
+    reply = {"id": "x\ny", "ok": False, "error": "bad_request", "detail": "Line\u2028two."}
+    wire = encode(reply)
+    assert wire.count(b"\n") == 1 and wire.endswith(b"\n")
+    assert json.loads(wire) == reply
+
+
+@pytest.mark.parametrize(
+    ("url", "valid", "loopback"),
+    [
+        ("http://127.0.0.1:9001", True, True),
+        ("http://127.0.0.1:9001/", True, True),
+        ("http://localhost:9001", True, True),
+        ("http://[::1]:9001", True, True),
+        ("http://10.0.0.5:9001", True, False),
+        ("http://worker.internal:9001", True, False),
+        ("unix:/run/worker.sock", True, True),
+        ("unix:", False, True),
+        ("unix:run/worker.sock", False, True),  # relative to whose working directory?
+        ("unix:/run/a\x00b", False, True),
+        ("https://127.0.0.1:9001", False, True),
+        ("ftp://127.0.0.1:9001", False, True),
+        ("http://127.0.0.1", False, True),
+        ("http://127.0.0.1:99999", False, True),
+        ("http://127.0.0.1:0", False, True),
+        ("http://127.0.0.1:port", False, True),
+        ("http://127.0.0.1:9001/path", False, True),
+        ("http://127.0.0.1:9001?q=1", False, True),
+        ("http://127.0.0.1:9001#f", False, True),
+        ("http://user@127.0.0.1:9001", False, True),
+        ("http://:9001", False, False),
+        ("127.0.0.1:9001", False, False),
+        ("http://127.0.0.1:9001\n", False, True),
+        ("http://127.0.0.1:9\t001", False, True),
+        (" http://127.0.0.1:9001", False, True),
+        ("http://127.0.0.1:9001\r\nX-Evil: 1", False, True),
+        ("http://a b:9001", False, False),
+        ("http://\u0661\u0662\u0667.0.0.1:9001", False, False),  # Arabic-Indic digits
+    ],
+)
+def test_upstream_urls(url: str, valid: bool, loopback: bool) -> None:
+    assert valid_upstream_url(url) is valid
+    assert is_loopback_url(url) is loopback
+
+
+# -- hello -----------------------------------------------------------------------
+
+
+def test_every_op_on_its_happy_path() -> None:
+    with_w0().run(
+        [
+            (Send("a", {"op": "ping", "id": 3}), ok(3)),
+            (Send("a", claim(4, "k", kind="open")), ok(4), {C("k", "open"): "held w0"}),
+            (Send("a", release(5, "k", kind="open")), ok(5), {C("k", "open"): "ended w0"}),
+            (
+                Send("a", sync(6, "ep1", "ep2")),
+                ok(6, accepted=2, refused=[]),
+                {C("ep2"): "held w0"},
+            ),
+            (Send("a", {"op": "drain", "id": 7, "on": True}), ok(7), {W("w0"): "live draining @a"}),
+            (Send("a", {"op": "drain", "id": 8, "on": False}), ok(8), {W("w0"): "live @a"}),
+            (
+                Send("a", {"op": "bye", "id": 9}),
+                ok(9),
+                {W("w0"): "exited", C("ep1"): "exited w0", C("ep2"): "exited w0", R("w0"): 1},
+            ),
+        ]
+    )
+
+
+@pytest.mark.parametrize("request_id", ["req-1", "", 0, 42, -1, 2**53, None])
+def test_ids_are_echoed(request_id: object) -> None:
+    book().run(
+        [
+            (Send("a", hello(request_id, "w0")), ok(request_id, **ROUTER), {W("w0"): "live @a"}),
+            (Send("a", claim(request_id, "ep1")), ok(request_id), {C("ep1"): "held w0"}),
+            (Send("a", {"op": "nope", "id": request_id}), err(request_id, "unknown_op")),
+            (Send("a", claim(request_id, "")), err(request_id, "bad_request")),
+        ]
+    )
+
+
+def test_a_request_without_an_id_gets_a_null_id() -> None:
+    book().run([(Send("a", {"op": "ping"}), err(None, "no_hello"))])
+
+
+def test_a_bad_line_or_unknown_op_keeps_the_connection_going() -> None:
+    with_w0().run(
+        [
+            (Send("a", b"{garbage"), err(None, "bad_request")),
+            (Send("a", b'{"op":"ping","id":true}'), err(None, "bad_request")),
+            (Send("a", {"op": "frobnicate", "id": 3}), err(3, "unknown_op")),
+            (Send("a", {"op": "HELLO", "id": 4}), err(4, "unknown_op")),
+            (Send("a", claim(5, "ep2")), ok(5), {C("ep2"): "held w0"}),
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        claim(1, "ep1"),
+        release(1, "ep1"),
+        sync(1, "ep1"),
+        {"op": "drain", "id": 1, "on": True},
+        {"op": "bye", "id": 1},
+        {"op": "ping", "id": 1},
+    ],
+)
+def test_every_op_but_hello_needs_a_hello_first(message: dict[str, Any]) -> None:
+    book().run(
+        [
+            (Send("a", message), err(1, "no_hello")),
+            (Send("a", {"op": "frobnicate", "id": 2}), err(2, "unknown_op")),
+        ]
+    )
+
+
+BAD_HELLOS: list[tuple[str, object]] = [
+    ("worker", None),
+    ("worker", 7),
+    ("worker", ""),
+    ("worker", "w" * 65),
+    ("worker", "w 0"),
+    ("worker", "w/0"),
+    ("worker", "w0\n"),
+    ("worker", "wé"),
+    ("url", None),
+    ("url", 9001),
+    ("url", "127.0.0.1:9001"),
+    ("url", "http://127.0.0.1"),
+    ("url", "https://127.0.0.1:9001"),
+    ("url", "http://127.0.0.1:9001/api"),
+    ("url", "http://127.0.0.1:9001\n"),
+    ("url", "unix:"),
+    ("url", "unix:w0.sock"),
+    ("url", "http://127.0.0.1:0"),
+    ("boot", None),
+    ("boot", ""),
+    ("boot", "b" * 129),
+    ("boot", 12345),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_HELLOS)
+def test_a_hello_with_a_malformed_field_is_bad_request(field: str, value: object) -> None:
+    message = hello(1, "w0")
+    if value is None:
+        del message[field]
+    else:
+        message[field] = value
+    book().run([(Send("a", message), err(1, "bad_request"))])
+
+
+@pytest.mark.parametrize(
+    ("worker", "url", "boot"),
+    [
+        ("w" * 64, "http://127.0.0.1:9001", "b0"),
+        ("A.b_c:d-9", "http://localhost:9001/", "b0"),
+        ("w0", "http://[::1]:9001", "b" * 128),
+        ("w0", "unix:/run/w0.sock", "x"),
+    ],
+)
+def test_a_hello_at_the_limits_is_accepted(worker: str, url: str, boot: str) -> None:
+    boot_word = "" if boot == "b0" else f" boot={boot}"
+    book().run(
+        [
+            (
+                Send("a", hello(1, worker, url=url, boot=boot)),
+                ok(1, **ROUTER),
+                {W(worker): f"live{boot_word} @a"},
+            )
+        ]
+    )
+
+
+@pytest.mark.parametrize("version", [None, 0, 2, "1", True, [1]])
+def test_a_hello_for_another_protocol_version_is_unsupported_version(version: object) -> None:
+    message = hello(1, "w0")
+    if version is None:
+        del message["v"]
+    else:
+        message["v"] = version
+    book().run([(Send("a", message), err(1, "unsupported_version"))])
+
+
+def test_hello_again_on_the_same_connection_is_idempotent() -> None:
+    with_w0().run(
+        [
+            (Send("a", hello(3, "w0")), ok(3, **ROUTER)),
+            (Send("a", claim(4, "ep1")), ok(4)),
+        ]
+    )
+
+
+def test_a_connection_holds_one_lease_only() -> None:
+    with_w0().run([(Send("a", hello(3, "w1")), err(3, "forbidden"))])
+
+
+# -- who may say hello -------------------------------------------------------------
+
+
+def test_tcp_needs_the_shared_secret() -> None:
+    book(secret=SECRET).run(
+        [
+            (Send("tcp", hello(1, "w0")), err(1, "forbidden")),
+            (Send("tcp", hello(2, "w0", auth="wrong")), err(2, "forbidden")),
+            (Send("tcp", hello(3, "w0", auth=SECRET + "x")), err(3, "forbidden")),
+            (Send("tcp", hello(4, "w0", auth=SECRET[:-1])), err(4, "forbidden")),
+            (Send("tcp", hello(5, "w0", auth=["s3cret-shared"])), err(5, "forbidden")),
+            (Send("tcp", hello(6, "w0", auth=SECRET)), ok(6, **ROUTER), {W("w0"): "live @tcp"}),
+        ]
+    )
+
+
+def test_tcp_without_a_configured_secret_admits_nobody() -> None:
+    book().run(
+        [
+            (Send("tcp", hello(1, "w0")), err(1, "forbidden")),
+            (Send("tcp", hello(2, "w0", auth="")), err(2, "forbidden")),
+            (Send("tcp", hello(3, "w0", auth="anything")), err(3, "forbidden")),
+        ]
+    )
+
+
+def test_unix_peers_need_the_routers_uid_or_an_allowed_one() -> None:
+    book(allowed_uids=[3000]).run(
+        [
+            (Send("stranger", hello(1, "w0")), err(1, "forbidden")),
+            (Send("friend", hello(2, "w0")), ok(2, **ROUTER), {W("w0"): "live @friend"}),
+            (Send("a", hello(3, "w1")), ok(3, **ROUTER), {W("w1"): "live @a"}),
+        ]
+    )
+
+
+def test_a_url_off_this_host_must_be_an_allowed_upstream() -> None:
+    book(allowed_upstreams=["http://10.0.0.5:9001"]).run(
+        [
+            (Send("a", hello(1, "w0", url="http://10.0.0.6:9001")), err(1, "forbidden")),
+            (Send("a", hello(2, "w0", url="http://worker.internal:9001")), err(2, "forbidden")),
+            (
+                Send("a", hello(3, "w0", url="http://10.0.0.5:9001")),
+                ok(3, **ROUTER),
+                {W("w0"): "live @a"},
+            ),
+        ]
+    )
+
+
+def test_a_live_worker_id_with_another_boot_or_url_is_worker_busy() -> None:
+    with_w0().run(
+        [
+            (Send("b", hello(1, "w0", boot="other")), err(1, "worker_busy")),
+            (Send("b", hello(2, "w0", url="http://127.0.0.1:9999")), err(2, "worker_busy")),
+            (Send("b", claim(3, "ep2")), err(3, "no_hello")),
+            (Send("a", claim(3, "ep2")), ok(3), {C("ep2"): "held w0"}),
+        ]
+    )
+
+
+def test_a_url_held_by_another_live_worker_is_worker_busy() -> None:
+    with_w0().run(
+        [
+            (Send("b", hello(1, "w1", url=U0)), err(1, "worker_busy")),
+            (Close("a"), "w0", {W("w0"): "lost"}),
+            # Lost is not live: a new process may have this port now.
+            (Send("b", hello(2, "w1", url=U0)), ok(2, **ROUTER), {W("w1"): "live @b"}),
+            (Send("c", hello(3, "w2", url=U0)), err(3, "worker_busy")),
+            # ...and the lost worker may not come back to an address another worker has.
+            (Send("d", hello(4, "w0")), err(4, "worker_busy")),
+            (Route("ep1"), Fwd("w0", "ep1", "b0")),
+        ]
+    )
+
+
+# -- claims ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["claim", "release"])
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({}, "bad_request"),
+        ({"key": ""}, "bad_request"),
+        ({"key": 7}, "bad_request"),
+        ({"key": None}, "bad_request"),
+        ({"key": ["ep2"]}, "bad_request"),
+        ({"key": "k" * (MAX_KEY_CHARS + 1)}, "bad_request"),
+        ({"key": "ep2", "kind": 5}, "bad_request"),
+        ({"key": "ep2", "kind": None}, "bad_request"),
+        ({"key": "ep2", "kind": "nope"}, "unknown_kind"),
+        ({"key": "ep2", "kind": "Episode"}, "unknown_kind"),
+    ],
+)
+def test_malformed_claims_and_releases(op: str, fields: dict[str, Any], error: str) -> None:
+    with_w0().run([(Send("a", {"op": op, "id": 3, **fields}), err(3, error))])
+
+
+def test_keys_up_to_the_limit_and_the_default_kind() -> None:
+    longest = "k" * MAX_KEY_CHARS
+    with_w0().run(
+        [
+            (Send("a", claim(3, longest)), ok(3), {C(longest): "held w0"}),
+            (Send("a", claim(4, "ep1", kind="episode")), ok(4)),
+            (Send("a", claim(5, "é/🙂 ")), ok(5), {C("é/🙂 "): "held w0"}),
+        ]
+    )
+
+
+def test_claim_conflicts_name_the_holder() -> None:
+    with_w0_and_w1().run(
+        [
+            (Send("b", claim(3, "ep1")), err(3, "conflict", holder="w0"), {CONFLICTS: 1}),
+            (Send("a", claim(3, "ep2")), err(3, "conflict", holder="w1"), {CONFLICTS: 2}),
+            (Route("ep1"), Fwd("w0", "ep1", "b0")),
+        ]
+    )
+
+
+def test_ended_and_exited_keys_refuse_claims() -> None:
+    with_w0_and_w1().run(
+        [
+            (Send("a", release(3, "ep1")), ok(3), {C("ep1"): "ended w0"}),
+            (Send("a", claim(4, "ep1")), err(4, "ended")),
+            (Send("b", claim(4, "ep1")), err(4, "ended")),
+            (
+                Send("b", {"op": "bye", "id": 5}),
+                ok(5),
+                {W("w1"): "exited", C("ep2"): "exited w1", R("w1"): 1},
+            ),
+            (Send("a", claim(5, "ep2")), err(5, "worker_exited")),
+        ]
+    )
+
+
+def test_releases_are_idempotent_and_only_the_holder_may_release() -> None:
+    with_w0_and_w1().run(
+        [
+            (Send("b", release(3, "ep1")), err(3, "not_holder")),
+            (Send("a", release(4, "ep1")), ok(4), {C("ep1"): "ended w0"}),
+            (Send("a", release(5, "ep1")), ok(5)),
+            (Send("b", release(5, "ep1")), ok(5)),
+            (Send("a", release(6, "never")), ok(6), {C("never"): "ended w0"}),
+            (Send("b", claim(7, "never")), err(7, "ended")),
+            (Send("a", claim(8, "ep1")), err(8, "ended")),
+        ]
+    )
+
+
+# -- sync --------------------------------------------------------------------------
+
+
+def test_sync_replaces_the_workers_claims() -> None:
+    with_w0_and_w1().run(
+        [
+            (Send("a", release(3, "gone")), ok(3), {C("gone"): "ended w0"}),
+            (Send("a", claim(4, "old")), ok(4), {C("old"): "held w0"}),
+            (
+                Send("a", sync(5, "ep1", "ep2", "gone", "new")),
+                ok(
+                    5,
+                    accepted=2,
+                    refused=[
+                        {"kind": "episode", "key": "ep2", "error": "conflict"},
+                        {"kind": "episode", "key": "gone", "error": "ended"},
+                    ],
+                ),
+                {C("old"): "ended w0", C("new"): "held w0"},
+            ),
+            (Route("old"), Ans("episode_ended", "old")),
+            (Route("ep2"), Fwd("w1", "ep2", "b0")),
+        ]
+    )
+
+
+def test_sync_may_span_several_messages() -> None:
+    with_w0_and_w1().run(
+        [
+            (Send("a", claim(3, "old")), ok(3), {C("old"): "held w0"}),
+            (
+                Send("a", sync(4, "s1", "ep2", more=True)),
+                ok(4, accepted=0, refused=[], more=True),
+            ),
+            # Nothing changes until the last message.
+            (Route("old"), Fwd("w0", "old", "b0")),
+            (Send("a", {"op": "ping", "id": 5}), ok(5)),
+            (
+                Send(
+                    "a",
+                    {
+                        "op": "sync",
+                        "id": 6,
+                        "claims": [{"key": "s2"}, {"key": ""}, "s3", {"key": "s4", "kind": "x"}],
+                        "more": True,
+                    },
+                ),
+                ok(6, accepted=0, refused=[], more=True),
+            ),
+            (
+                Send("a", sync(7, "ep1", "s1")),
+                ok(
+                    7,
+                    accepted=3,
+                    refused=[
+                        {"kind": "episode", "key": "", "error": "bad_request"},
+                        {"kind": None, "key": None, "error": "bad_request"},
+                        {"kind": "x", "key": "s4", "error": "unknown_kind"},
+                        {"kind": "episode", "key": "ep2", "error": "conflict"},
+                    ],
+                ),
+                {C("old"): "ended w0", C("s1"): "held w0", C("s2"): "held w0"},
+            ),
+            # A later sync starts afresh.
+            (
+                Send("a", sync(8, "s1")),
+                ok(8, accepted=1, refused=[]),
+                {C("ep1"): "ended w0", C("s2"): "ended w0"},
+            ),
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"op": "sync", "id": 3},
+        {"op": "sync", "id": 3, "claims": {"key": "ep1"}},
+        {"op": "sync", "id": 3, "claims": "ep1"},
+        {"op": "sync", "id": 3, "claims": [], "more": "yes"},
+        {"op": "sync", "id": 3, "claims": [], "more": 1},
+    ],
+)
+def test_malformed_syncs_are_bad_request_and_change_nothing(message: dict[str, Any]) -> None:
+    with_w0().run(
+        [
+            (Send("a", message), err(3, "bad_request")),
+            (Route("ep1"), Fwd("w0", "ep1", "b0")),
+        ]
+    )
+
+
+def test_an_expected_workers_sync_ends_recovery() -> None:
+    Playbook(SETTINGS).run(
+        [
+            (Expect("w0"), None),
+            (Send("a", hello(1, "w0")), ok(1, **ROUTER), {W("w0"): "live @a"}),
+            (Send("a", claim(2, "ep1")), ok(2), {C("ep1"): "held w0"}),
+            (Route("ep9"), Ans("recovering", "ep9", 30.0)),
+            (Send("a", sync(3, "ep1", more=True)), ok(3, accepted=0, refused=[], more=True)),
+            (Route("ep9"), Ans("recovering", "ep9", 30.0)),
+            (Send("a", sync(4)), ok(4, accepted=1, refused=[])),
+            (Route("ep9"), Ans("unknown_episode", "ep9")),
+        ]
+    )
+
+
+# -- drain, bye, leases --------------------------------------------------------------
+
+
+def test_drain_stops_new_sessions_but_not_held_ones() -> None:
+    with_w0_and_w1().run(
+        [
+            (Send("a", {"op": "drain", "id": 3}), ok(3), {W("w0"): "live draining @a"}),
+            (Route(None, None), Fwd("w1", None, "b0")),
+            (Balance(frozenset({"w1"})), Ans("no_worker", None, 1.0)),
+            (Route("ep1"), Fwd("w0", "ep1", "b0")),
+            (Send("a", claim(4, "ep3")), ok(4), {C("ep3"): "held w0"}),
+            (Send("a", {"op": "drain", "id": 5, "on": "no"}), err(5, "bad_request")),
+            (Send("a", {"op": "drain", "id": 6, "on": 0}), err(6, "bad_request")),
+            (Send("a", {"op": "drain", "id": 7, "on": False}), ok(7), {W("w0"): "live @a"}),
+            (Balance(frozenset({"w1"})), Fwd("w0", None, "b0")),
+        ]
+    )
+
+
+def test_bye_retires_at_once_without_grace() -> None:
+    with_w0().run(
+        [
+            (
+                Send("a", {"op": "bye", "id": 3}),
+                ok(3),
+                EXITED_W0,
+            ),
+            (Route("ep1"), Ans("worker_exited", "ep1")),
+            (Send("a", {"op": "ping", "id": 4}), err(4, "no_hello")),
+            (Send("a", {"op": "bye", "id": 5}), err(5, "no_hello")),
+            (Close("a"), None),
+            At(60.0),
+            (Tick(), Ticked()),
+        ]
+    )
+
+
+def test_a_closed_lease_is_lost_then_exits_when_the_grace_ends() -> None:
+    with_w0().run(
+        [
+            At(1.0),
+            (Close("a"), "w0", {W("w0"): "lost"}),
+            (Route("ep1"), Fwd("w0", "ep1", "b0")),
+            (Close("a"), None),
+            At(5.999),
+            (Tick(), Ticked()),
+            At(6.0),
+            (
+                Tick(),
+                Ticked(exited=("w0",)),
+                EXITED_W0,
+            ),
+            (Route("ep1"), Ans("worker_exited", "ep1")),
+        ]
+    )
+
+
+def test_a_same_boot_hello_within_the_grace_restores_the_claims() -> None:
+    with_w0().run(
+        [
+            At(1.0),
+            (Close("a"), "w0", {W("w0"): "lost"}),
+            At(5.0),
+            (Send("b", hello(1, "w0")), ok(1, **ROUTER), {W("w0"): "live @b"}),
+            (Send("b", claim(2, "ep1")), ok(2)),
+            (Send("b", sync(3, "ep1")), ok(3, accepted=1, refused=[])),
+            At(19.0),  # long past the grace, not yet silent
+            (Tick(), Ticked()),
+            (Route("ep1"), Fwd("w0", "ep1", "b0")),
+        ]
+    )
+
+
+def test_a_new_boot_hello_retires_the_old_claims() -> None:
+    with_w0().run(
+        [
+            At(1.0),
+            (Close("a"), "w0", {W("w0"): "lost"}),
+            (
+                Send("b", hello(1, "w0", boot="b1")),
+                ok(1, **ROUTER),
+                {W("w0"): "live g1 boot=b1 @b", C("ep1"): "exited w0", R("w0"): 1},
+            ),
+            (
+                Send("b", sync(2, "ep1")),
+                ok(
+                    2,
+                    accepted=0,
+                    refused=[{"kind": "episode", "key": "ep1", "error": "worker_exited"}],
+                ),
+            ),
+            (Route("ep1"), Ans("worker_exited", "ep1")),
+        ]
+    )
+
+
+def test_a_hello_after_the_worker_exited_starts_a_new_generation() -> None:
+    with_w0().run(
+        [
+            (Close("a"), "w0", {W("w0"): "lost"}),
+            At(10.0),
+            (
+                Tick(),
+                Ticked(exited=("w0",)),
+                EXITED_W0,
+            ),
+            (Send("b", hello(1, "w0")), ok(1, **ROUTER), {W("w0"): "live g1 @b"}),
+            (Send("b", claim(2, "ep1")), err(2, "worker_exited")),
+        ]
+    )
+
+
+def test_a_second_connection_takes_over_a_same_boot_lease() -> None:
+    with_w0().run(
+        [
+            (Send("b", hello(1, "w0")), ok(1, **ROUTER), {W("w0"): "live @b"}),
+            (Send("a", claim(3, "ep2")), err(3, "no_hello")),
+            (Send("a", {"op": "bye", "id": 4}), err(4, "no_hello")),
+            (Close("a"), None),  # the old connection's close loses nothing
+            At(14.0),  # long past the grace, not yet silent
+            (Tick(), Ticked()),
+            (Send("b", claim(2, "ep2")), ok(2), {C("ep2"): "held w0"}),
+            (Route("ep1"), Fwd("w0", "ep1", "b0")),
+            (Close("b"), "w0", {W("w0"): "lost"}),
+        ]
+    )
+
+
+def test_any_request_keeps_the_lease_from_going_silent() -> None:
+    with_w0().run(
+        [
+            At(10.0),
+            (Send("a", {"op": "ping", "id": 3}), ok(3)),
+            At(24.999),
+            (Tick(), Ticked()),
+            At(25.0),
+            (Tick(), Ticked(lost=("w0",)), {W("w0"): "lost @a"}),
+            # The I/O layer closes the silent connection: the worker stays lost.
+            (Close("a"), None, {W("w0"): "lost"}),
+            At(30.0),
+            (
+                Tick(),
+                Ticked(exited=("w0",)),
+                EXITED_W0,
+            ),
+        ]
+    )
+
+
+def test_a_rejected_hello_leaves_no_trace() -> None:
+    steps: list[Step] = [
+        (Send("a", hello(1, "w0", v=2)), err(1, "unsupported_version")),
+        (Send("a", hello(2, "w0", url="http://10.1.1.1:80")), err(2, "forbidden")),
+        (Send("a", claim(3, "ep1")), err(3, "no_hello")),
+        (Route(None, None), Ans("no_worker", None, 1.0)),
+    ]
+    book().run(steps)
