@@ -1,0 +1,203 @@
+"""The state journal (DESIGN §3 "Restart"): what a restarted router replays.
+
+With `state.path` set, every change the control plane makes to workers and
+claims is appended to the file as one JSON line, and replayed into a fresh
+`RouterCore` at start. From time to time the file is rewritten as a snapshot of
+the live state, so it stays proportional to what is held, not to history.
+
+Lines are written with one `os.write` each on an O_APPEND descriptor: the
+kernel has them as soon as the call returns, so a `kill -9` of the router loses
+nothing. There is no fsync per line: a crash of the whole machine may lose the
+last moments, and the workers' `sync` after the restart restores those claims.
+
+`encode_*`, `decode_line` and `replay` are pure; `JournalFile` does the I/O.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from router.claims import Claim, ClaimState
+from router.core import RouterCore
+from router.workers import Worker, WorkerOrigin, WorkerState
+
+log = logging.getLogger("episode_router.journal")
+
+JOURNAL_VERSION = 1
+COMPACT_MIN_LINES = 10_000  # below this, rewriting costs more than it saves
+
+
+def _line(record: dict[str, Any]) -> bytes:
+    return json.dumps(record, separators=(",", ":")).encode() + b"\n"
+
+
+class JournalFile:
+    """An append-only journal file with compaction. Implements the core's sink."""
+
+    def __init__(self, path: str, *, clock: Callable[[], float]) -> None:
+        self.path = path
+        self._clock = clock  # wall clock: tombstone ages must survive a restart
+        self._fd: int | None = None
+        self._lines = 0
+        self.write_errors = 0
+
+    # -- the sink the core calls -------------------------------------------
+
+    def worker(self, worker: Worker) -> None:
+        self._append({"op": "worker", "id": worker.id, "url": worker.url, "boot": worker.boot})
+
+    def drain(self, worker: Worker) -> None:
+        self._append({"op": "drain", "id": worker.id, "on": worker.draining})
+
+    def claim(self, kind: str, key: str, worker: str) -> None:
+        self._append({"op": "claim", "kind": kind, "key": key, "worker": worker})
+
+    def release(self, kind: str, key: str, worker: str) -> None:
+        self._append({"op": "release", "kind": kind, "key": key, "worker": worker})
+
+    def sync(self, worker: str, claims: Iterable[tuple[str, str]]) -> None:
+        self._append({"op": "sync", "worker": worker, "claims": sorted(claims)})
+
+    def exited(self, worker: str) -> None:
+        self._append({"op": "exited", "worker": worker})
+
+    # -- I/O -----------------------------------------------------------------
+
+    def read(self) -> list[bytes]:
+        """Every line of the journal as it is on disk (empty if there is none)."""
+        try:
+            with open(self.path, "rb") as file:
+                return file.read().splitlines()
+        except FileNotFoundError:
+            return []
+
+    def compact(self, core: RouterCore, mono_now: float) -> None:
+        """Rewrite the file as a snapshot of `core` (atomically, by rename), then
+        append to it. Also how a run starts its journal, after the replay."""
+        records = snapshot(core, self._clock(), mono_now)
+        tmp = f"{self.path}.tmp"
+        directory = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"".join(_line(r) for r in records))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        self.close()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._lines = len(records)
+
+    def wants_compaction(self, live_records: int) -> bool:
+        return self._lines > max(COMPACT_MIN_LINES, 2 * live_records)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+
+    def _append(self, record: dict[str, Any]) -> None:
+        if self._fd is None:
+            return
+        record["t"] = round(self._clock(), 3)
+        try:
+            os.write(self._fd, _line(record))
+        except OSError as exc:
+            # A full disk must not stop routing: the workers' sync restores
+            # claims after a restart. Count it and say it once in a while.
+            self.write_errors += 1
+            if self.write_errors in (1, 10, 100, 1000):
+                log.error("journal write failed", extra={"error": str(exc)})
+            return
+        self._lines += 1
+
+
+def snapshot(core: RouterCore, wall_now: float, mono_now: float) -> list[dict[str, Any]]:
+    """The records that rebuild `core`'s workers, claims and tombstones."""
+    records: list[dict[str, Any]] = [{"op": "version", "v": JOURNAL_VERSION, "t": wall_now}]
+    for worker in core.workers:
+        if worker.origin is WorkerOrigin.STATIC:
+            continue
+        if worker.state is not WorkerState.EXITED:
+            records.append(
+                {"op": "worker", "id": worker.id, "url": worker.url, "boot": worker.boot}
+            )
+            if worker.draining:
+                records.append({"op": "drain", "id": worker.id, "on": True})
+    for claim in core.claims.held():
+        records.append(
+            {"op": "claim", "kind": claim.kind, "key": claim.key, "worker": claim.worker}
+        )
+    for claim in core.claims.tombstones():
+        records.append(_tombstone_record(claim, wall_now - (mono_now - claim.since)))
+    return records
+
+
+def _tombstone_record(claim: Claim, made_at_wall: float) -> dict[str, Any]:
+    return {
+        "op": "tomb",
+        "kind": claim.kind,
+        "key": claim.key,
+        "worker": claim.worker,
+        "state": claim.state.value,
+        "t": round(made_at_wall, 3),
+    }
+
+
+def replay(core: RouterCore, lines: Iterable[bytes], mono_now: float, wall_now: float) -> int:
+    """Apply journal lines to a fresh core. Returns how many were unusable.
+
+    Journaled workers come back as `lost`, awaited by the recovery window: a
+    same-boot hello restores them with their claims, a new boot retires them.
+    """
+    bad = 0
+    for raw in lines:
+        try:
+            record = json.loads(raw)
+            _apply(core, record, mono_now - max(0.0, wall_now - float(record.get("t", wall_now))))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            bad += 1
+    for worker in core.workers:
+        if worker.origin is WorkerOrigin.JOURNAL and worker.state is WorkerState.LIVE:
+            core.lose(worker, mono_now)
+            core.expect(worker.id)
+    return bad
+
+
+def _apply(core: RouterCore, record: dict[str, Any], at: float) -> None:
+    op = record["op"]
+    claims = core.claims
+    if op == "worker":
+        core.register(
+            str(record["id"]), str(record["url"]), WorkerOrigin.JOURNAL, at, record["boot"]
+        )
+    elif op == "drain":
+        worker = core.workers.get(str(record["id"]))
+        if worker is not None:
+            worker.draining = bool(record["on"])
+    elif op == "claim":
+        claims.claim(str(record["kind"]), str(record["key"]), str(record["worker"]), at)
+    elif op == "release":
+        claims.release(str(record["kind"]), str(record["key"]), str(record["worker"]), at)
+    elif op == "sync":
+        pairs = [(str(kind), str(key)) for kind, key in record["claims"]]
+        claims.sync(str(record["worker"]), pairs, at)
+    elif op == "exited":
+        worker = core.workers.get(str(record["worker"]))
+        if worker is not None:
+            worker.state = WorkerState.EXITED
+        claims.worker_exited(str(record["worker"]), at)
+    elif op == "tomb":
+        state = ClaimState(record["state"])
+        claims.restore_tombstone(
+            str(record["kind"]), str(record["key"]), str(record["worker"]), state, at
+        )
+    elif op != "version":
+        raise ValueError(f"unknown journal op {op!r}")

@@ -1,0 +1,323 @@
+"""One router process: opens every listener and task in one place, closes them in reverse.
+
+`RouterService(config).start()` brings up, in order: the core, the control
+socket, static workers and their prober, spawned workers, the public and the
+admin listeners, and the periodic tick. `stop()` undoes that in reverse, letting
+in-flight requests finish first (SIGTERM semantics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from aiohttp import web
+
+from router.admin import admin_application
+from router.app import PublicHandler
+from router.config import Config
+from router.control import ControlPolicy
+from router.control_server import ControlServer
+from router.core import CoreSettings, RouterCore
+from router.forward import Forwarder, ForwardTimeouts
+from router.health import HealthProber, probe_connect
+from router.journal import JournalFile, replay
+from router.sessions import SessionKind, SessionReader
+from router.spawn import SpawnedWorker, Spawner, SpawnSpec
+from router.tokens import TokenVerifier
+from router.workers import Worker, WorkerOrigin, WorkerState
+
+log = logging.getLogger("episode_router")
+
+TICK_INTERVAL_S = 0.25  # lease, grace and recovery deadlines are checked this often
+
+
+def core_settings(config: Config) -> CoreSettings:
+    return CoreSettings(
+        kinds={kind.name: kind.unclaimed == "forward" for kind in config.sessions},
+        lease_timeout_s=config.control.lease_timeout_s,
+        reconnect_grace_s=config.control.reconnect_grace_s,
+        tombstone_ttl_s=config.claims.tombstone_ttl_s,
+        max_tombstones=config.claims.max_tombstones,
+        recovery_window_s=config.claims.recovery_window_s,
+        learned_idle_ttl_s=config.claims.learned_idle_ttl_s,
+        health_failures=config.health.failures,
+    )
+
+
+def session_kinds(config: Config) -> list[SessionKind]:
+    kinds = []
+    for kind in config.sessions:
+        verify = kind.token.verify
+        verifier = TokenVerifier.from_config(verify.alg, verify.key) if verify else None
+        kinds.append(
+            SessionKind(
+                name=kind.name,
+                header=kind.header,
+                format=kind.token.format,
+                verifier=verifier,
+                unclaimed_forward=kind.unclaimed == "forward",
+            )
+        )
+    return kinds
+
+
+class RouterService:
+    """Everything one router process runs."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.boot = secrets.token_hex(8)
+        self._clock = time.monotonic
+        self.core = RouterCore(core_settings(config), self._clock(), on_retire=self._retired)
+        self.forwarder = Forwarder(
+            ForwardTimeouts(
+                connect_s=config.timeouts.connect_s,
+                first_byte_s=config.timeouts.first_byte_s,
+                stream_idle_s=config.timeouts.stream_idle_s,
+            )
+        )
+        self.control = ControlServer(
+            self.core, self._control_policy(), on_lease_lost=self._lease_lost
+        )
+        self.handler = PublicHandler(
+            self.core,
+            SessionReader(session_kinds(config)),
+            self.forwarder,
+            check_worker=self.check_worker,
+            max_body_bytes=config.limits.max_body_bytes,
+        )
+        self.prober = HealthProber(
+            self.core,
+            path=config.health.path,
+            interval_s=config.health.interval_s,
+            timeout_s=config.health.timeout_s,
+            on_change=lambda worker: None,
+        )
+        self.spawner: Spawner | None = None
+        self.journal: JournalFile | None = None
+        self._public: web.AppRunner | None = None
+        self._admin: web.AppRunner | None = None
+        self._tasks: set[asyncio.Task[object]] = set()
+        self.public_port = 0
+        self.admin_port = 0
+
+    def _control_policy(self) -> ControlPolicy:
+        control = self.config.control
+        return ControlPolicy(
+            own_uid=os.getuid(),
+            allowed_uids=frozenset(control.allowed_uids),
+            allowed_upstreams=frozenset(control.allowed_upstreams),
+            secret=control.secret,
+            router_boot=self.boot,
+        )
+
+    # -- start / stop --------------------------------------------------------
+
+    async def start(self) -> None:
+        config = self.config
+        if config.state.path is not None:
+            self._open_journal(config.state.path)
+        await self.control.start(config.control.socket)
+        now = self._clock()
+        for static in config.workers:
+            self.core.register(static.id, static.url, WorkerOrigin.STATIC, now)
+            self.core.expect(static.id)
+        if config.workers:
+            self.prober.start()
+        if config.spawn is not None:
+            await self._start_spawner()
+        self._public = await self._listen(
+            self.handler.application(**self._http_limits()), config.listen.host, config.listen.port
+        )
+        self.public_port = _bound_port(self._public)
+        self._admin = await self._listen(
+            admin_application(self), config.admin.host, config.admin.port
+        )
+        self.admin_port = _bound_port(self._admin)
+        self._spawn_task(self._tick_forever(), "tick")
+        log.info(
+            "router started",
+            extra={"public_port": self.public_port, "admin_port": self.admin_port},
+        )
+
+    def _open_journal(self, path: str) -> None:
+        """Replay the previous run's journal, then start a fresh one from the result."""
+        journal = JournalFile(path, clock=time.time)
+        lines = journal.read()
+        bad = replay(self.core, lines, self._clock(), time.time())
+        if bad:
+            log.warning("journal lines skipped", extra={"path": path, "bad_lines": bad})
+        journal.compact(self.core, self._clock())
+        self.core.journal = journal
+        self.journal = journal
+        log.info(
+            "journal replayed",
+            extra={
+                "path": path,
+                "lines": len(lines),
+                "workers": len(self.core.workers),
+                "claims": self.core.claims.held_total,
+                "tombstones": self.core.claims.tombstone_count,
+            },
+        )
+
+    def _maybe_compact_journal(self) -> None:
+        journal = self.journal
+        if journal is None:
+            return
+        live = (
+            self.core.claims.held_total + self.core.claims.tombstone_count + len(self.core.workers)
+        )
+        if journal.wants_compaction(live):
+            journal.compact(self.core, self._clock())
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight requests finish (up to the grace), then close."""
+        self.handler.shutting_down = True
+        if self._public is not None:
+            await self._public.cleanup()
+        if self.spawner is not None:
+            await self.spawner.stop()  # while the control socket is open: they say bye
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.prober.close()
+        await self.control.close()
+        await self.forwarder.close()
+        if self.journal is not None:
+            self.journal.close()
+        if self._admin is not None:
+            await self._admin.cleanup()
+        log.info("router stopped")
+
+    def _http_limits(self) -> dict[str, object]:
+        limits = self.config.limits
+        return {
+            "max_line_size": limits.max_line_bytes,
+            "max_field_size": limits.max_header_bytes,
+            "max_headers": limits.max_headers,
+            "keepalive_timeout": limits.idle_timeout_s,
+        }
+
+    async def _listen(self, app: web.Application, host: str, port: int) -> web.AppRunner:
+        runner = web.AppRunner(
+            app,
+            access_log=log if self.config.log.access else None,
+            shutdown_timeout=self.config.timeouts.shutdown_grace_s,
+            handle_signals=False,
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        await site.start()
+        return runner
+
+    async def _start_spawner(self) -> None:
+        spawn = self.config.spawn
+        assert spawn is not None
+        self.spawner = Spawner(
+            SpawnSpec(
+                command=spawn.command,
+                count=spawn.count,
+                base_port=spawn.base_port,
+                host=spawn.host,
+                stop_timeout_s=spawn.stop_timeout_s,
+            ),
+            control_address=self.config.control.socket,
+            on_exit=self._spawned_exited,
+            secret=self.config.control.secret,
+        )
+        for spawned in self.spawner.workers:
+            self.core.expect(spawned.worker_id)
+        await self.spawner.start()
+
+    def _spawn_task(self, coro: Coroutine[Any, Any, object], name: str) -> None:
+        """A named task, referenced until it ends (never garbage-collected mid-run)."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- events --------------------------------------------------------------
+
+    async def _tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_INTERVAL_S)
+            leased = [w for w in self.core.workers if w.lease is not None]
+            result = self.core.tick(self._clock(), leased)
+            for worker in result.lost:
+                log.warning("worker lease silent", extra={"worker": worker.id})
+                self.control.close_lease(worker)
+            if result.recovery_ended:
+                log.info("recovery window ended")
+            self._maybe_compact_journal()
+
+    def _retired(self, worker: Worker) -> None:
+        log.warning("worker exited", extra={"worker": worker.id})
+        self.control.close_lease(worker)
+        self.forwarder.forget(worker.id)
+
+    def _lease_lost(self, worker: Worker) -> None:
+        """Its control connection closed: if its address refuses connections too,
+        it is gone now; otherwise it is lost until the grace ends."""
+        self._spawn_task(self.check_worker(worker), f"check-{worker.id}")
+
+    def _spawned_exited(self, spawned: SpawnedWorker, returncode: int | None) -> None:
+        worker = self.core.workers.get(spawned.worker_id)
+        log.warning(
+            "spawned worker died", extra={"worker": spawned.worker_id, "returncode": returncode}
+        )
+        if worker is not None and worker.state is not WorkerState.EXITED:
+            self.core.retire(worker, self._clock())
+
+    def worker_pid(self, worker_id: str) -> int | None:
+        """The pid of a worker this router spawned and runs now, else None."""
+        return self.spawner.pid(worker_id) if self.spawner is not None else None
+
+    async def check_worker(self, worker: Worker) -> bool:
+        """Probe `worker`'s address; retire it if nothing listens. True if it is gone."""
+        if _exited(worker):
+            return True
+        generation = worker.generation
+        outcome = await probe_connect(worker.url, self.config.timeouts.connect_s)
+        if worker.generation != generation or _exited(worker):
+            return _exited(worker)  # changed while we probed: the newer news wins
+        if outcome != "refused":
+            return False
+        if worker.origin is WorkerOrigin.STATIC:
+            self.prober.report(worker, outcome, self._clock())
+            return _exited(worker)
+        self.core.retire(worker, self._clock())
+        return True
+
+
+def _exited(worker: Worker) -> bool:
+    return worker.state is WorkerState.EXITED
+
+
+def _bound_port(runner: web.AppRunner) -> int:
+    address = runner.addresses[0]
+    return int(address[1])
+
+
+async def run_until_signalled(service: RouterService) -> None:
+    """Start, wait for SIGTERM or SIGINT, stop."""
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await service.start()
+    try:
+        await stop.wait()
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(signum)
+        await service.stop()

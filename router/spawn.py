@@ -1,0 +1,452 @@
+"""Spawn mode: the worker processes the router starts, restarts and stops itself.
+
+This module owns the `spawn:` configuration at run time (DESIGN §3 "Restart",
+§5): it turns the operator's command template into one argument vector per
+worker, starts each worker in a session and process group of its own (so a
+signal aimed at the router's group misses it, and it can outlive a router
+crash), restarts a worker that exits, with a growing delay while it keeps
+failing fast, and stops every worker's whole process group at shutdown.
+
+It must never run the template through a shell, signal anything but the
+process groups it started, pipe a child's output (nothing would read it, and a
+full pipe would hang the child), or let a worker's failure escape into the
+router: every exit, and every start that fails, is reported through `on_exit`
+and retried.
+
+Rendering the command and computing the backoff are pure functions; `Spawner`
+is the asyncio glue around them, with one named supervisor task per worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import shlex
+import signal
+import string
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+PLACEHOLDERS = ("port", "worker_id", "host")
+ENV_PREFIX = "EPISODE_ROUTER_"  # the variables this router sets; inherited ones are dropped
+STABLE_RUN_S = 10.0  # a process that ran longer was not crash-looping: the backoff starts over
+FIRST_BACKOFF_S = 0.5  # the second restart in a row waits this long, then it doubles
+MAX_BACKOFF_S = 10.0  # a broken command costs one attempt per 10 s; a fixed one is back soon
+GROUP_POLL_S = 0.05  # how often stop() checks that a group's last member is gone
+KILL_WAIT_S = 5.0  # after SIGKILL only uninterruptible sleep can delay an exit; don't hang on it
+ADOPT_POLL_S = 1.0  # an adopted worker's port is re-checked this often, to respawn once it is free
+ADOPT_PROBE_TIMEOUT_S = 1.0  # loopback answers at once; no answer in this time counts as free
+
+_FORMATTER = string.Formatter()
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnSpec:
+    """What to spawn: `count` copies of `command`, on ports from `base_port` up.
+
+    `command` is a template split like a shell would (no shell runs it), with the
+    placeholders `{port}`, `{worker_id}` and `{host}`; `{{` and `}}` are literal
+    braces. Raises ValueError for a count, port range, host or timeout that
+    cannot work.
+    """
+
+    command: str
+    count: int
+    base_port: int
+    host: str = "127.0.0.1"
+    stop_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.count) or self.count < 1:
+            raise ValueError(f"spawn count must be an integer of at least 1, got {self.count!r}")
+        if not _is_int(self.base_port) or not 1 <= self.base_port <= 65535:
+            raise ValueError(f"spawn base_port must be a port (1-65535), got {self.base_port!r}")
+        if self.base_port + self.count - 1 > 65535:
+            raise ValueError(
+                f"spawn ports {self.base_port}..{self.base_port + self.count - 1} "
+                "run past 65535: lower base_port or count"
+            )
+        if not self.host or any(c.isspace() or c in "/@?#[]\0" for c in self.host):
+            raise ValueError(f"spawn host must be a bare host name or address, got {self.host!r}")
+        timeout = self.stop_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(f"spawn stop_timeout_s must be positive, got {timeout!r}")
+        if not math.isfinite(timeout):
+            raise ValueError(f"spawn stop_timeout_s must be finite, got {timeout!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnedWorker:
+    """One worker the router spawns: its id, its private port and the URL it serves on."""
+
+    worker_id: str
+    port: int
+    url: str
+
+
+def plan_workers(spec: SpawnSpec) -> tuple[SpawnedWorker, ...]:
+    """Return the workers `spec` describes: ids "w0", "w1", ... on consecutive ports."""
+    host = f"[{spec.host}]" if ":" in spec.host else spec.host  # an IPv6 address in a URL
+    return tuple(
+        SpawnedWorker(
+            f"w{index}", spec.base_port + index, f"http://{host}:{spec.base_port + index}"
+        )
+        for index in range(spec.count)
+    )
+
+
+def render_command(spec: SpawnSpec, worker: SpawnedWorker) -> list[str]:
+    """Return the argument vector that starts `worker`.
+
+    The template is split into arguments first and each argument is formatted
+    afterwards, so a placeholder's value always stays inside the argument it
+    was written in. Raises ValueError for a template that cannot be split, is
+    empty, or names anything but `{port}`, `{worker_id}` and `{host}`.
+    """
+    try:
+        template = shlex.split(spec.command)
+    except ValueError as exc:
+        raise ValueError(f"spawn command cannot be split into arguments: {exc}") from None
+    if not template:
+        raise ValueError("spawn command is empty")
+    values = {"port": worker.port, "worker_id": worker.worker_id, "host": spec.host}
+    return [_render_argument(argument, values) for argument in template]
+
+
+def _render_argument(argument: str, values: Mapping[str, object]) -> str:
+    try:
+        fields = [field for _, field, _, _ in _FORMATTER.parse(argument) if field is not None]
+    except ValueError as exc:
+        raise ValueError(f"spawn command argument {argument!r}: {exc}") from None
+    for field in fields:
+        if field not in values:
+            known = ", ".join(f"{{{name}}}" for name in PLACEHOLDERS)
+            raise ValueError(
+                f"spawn command argument {argument!r} names {{{field}}}; known: {known}"
+            )
+    try:
+        rendered = argument.format_map(values)
+    except (KeyError, IndexError, AttributeError, TypeError, ValueError) as exc:
+        raise ValueError(f"spawn command argument {argument!r}: {exc}") from None
+    if "\0" in rendered:
+        raise ValueError(f"spawn command argument {argument!r} contains a NUL byte")
+    return rendered
+
+
+def restart_delay(consecutive_failures: int) -> float:
+    """Return the seconds to wait before a restart.
+
+    `consecutive_failures` counts the restarts already made since the worker
+    last ran longer than STABLE_RUN_S: 0 gives an immediate restart, then 0.5,
+    1, 2, 4, 8 and 10 s from there on. Raises ValueError when negative.
+    """
+    if consecutive_failures < 0:
+        raise ValueError(f"consecutive_failures must be >= 0, got {consecutive_failures}")
+    if consecutive_failures == 0:
+        return 0.0
+    # The exponent is capped so that a worker failing for days never overflows a float.
+    return min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2.0 ** min(consecutive_failures - 1, 32))
+
+
+def next_restart(consecutive_failures: int, ran_s: float | None) -> tuple[float, int]:
+    """Return (delay before the restart, the count to carry to the next exit).
+
+    `ran_s` is how long the process that just exited ran, or None when it never
+    started. A run longer than STABLE_RUN_S starts the count over.
+    """
+    if ran_s is not None and ran_s > STABLE_RUN_S:
+        consecutive_failures = 0
+    return restart_delay(consecutive_failures), consecutive_failures + 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _child_env(
+    worker: SpawnedWorker,
+    control_address: str,
+    secret: str | None,
+    extra_env: Mapping[str, str],
+) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(ENV_PREFIX)}
+    env.update(extra_env)
+    env[ENV_PREFIX + "CONTROL"] = control_address
+    env[ENV_PREFIX + "WORKER_ID"] = worker.worker_id
+    env[ENV_PREFIX + "WORKER_URL"] = worker.url
+    if secret is not None:
+        env[ENV_PREFIX + "SECRET"] = secret
+    return env
+
+
+def _check_env(extra_env: Mapping[str, str], control_address: str, secret: str | None) -> None:
+    for key, value in extra_env.items():
+        if not key or "=" in key or "\0" in key:
+            raise ValueError(f"spawn environment variable name {key!r} is not valid")
+        if key.startswith(ENV_PREFIX):
+            raise ValueError(f"spawn environment variable {key} is set by the router itself")
+        if "\0" in value:
+            raise ValueError(f"spawn environment variable {key} contains a NUL byte")
+    if "\0" in control_address:
+        raise ValueError("control address contains a NUL byte")
+    if secret is not None and "\0" in secret:
+        raise ValueError("control secret contains a NUL byte")
+
+
+class Spawner:
+    """Starts, restarts and stops the worker processes of one SpawnSpec.
+
+    `on_exit(worker, returncode)` is called from the event loop each time a
+    worker's process exits while the spawner is not stopping, before it is
+    restarted; `returncode` is negative for a signal and None when the process
+    could not be started at all. Raises ValueError for a template or
+    environment that cannot start a process.
+    """
+
+    def __init__(
+        self,
+        spec: SpawnSpec,
+        *,
+        control_address: str,
+        on_exit: Callable[[SpawnedWorker, int | None], None],
+        extra_env: Mapping[str, str] | None = None,
+        secret: str | None = None,
+    ) -> None:
+        _check_env(extra_env or {}, control_address, secret)
+        self.spec = spec
+        self.workers = plan_workers(spec)
+        self._on_exit = on_exit
+        self._argv = {w.worker_id: render_command(spec, w) for w in self.workers}
+        self._env = {
+            w.worker_id: _child_env(w, control_address, secret, extra_env or {})
+            for w in self.workers
+        }
+        self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._supervisors: dict[str, asyncio.Task[None]] = {}
+        self._stopping = asyncio.Event()
+
+    async def start(self) -> None:
+        """Start every worker's process; return once each has been started once.
+
+        A process that could not be started is reported and retried in the
+        background. Raises RuntimeError when called twice or after stop().
+        """
+        if self._supervisors or self._stopping.is_set():
+            raise RuntimeError("a Spawner starts once, and not after stop()")
+        loop = asyncio.get_running_loop()
+        first_starts = []
+        for worker in self.workers:
+            first_start: asyncio.Future[None] = loop.create_future()
+            task = asyncio.create_task(
+                self._supervise(worker, first_start), name=f"spawn-supervise-{worker.worker_id}"
+            )
+            task.add_done_callback(_log_supervisor_end)
+            self._supervisors[worker.worker_id] = task
+            first_starts.append(first_start)
+        await asyncio.gather(*first_starts)
+
+    def pid(self, worker_id: str) -> int | None:
+        """Return the pid of the worker's running process, or None (not running, or unknown)."""
+        proc = self._procs.get(worker_id)
+        return proc.pid if proc is not None and proc.returncode is None else None
+
+    async def stop(self) -> None:
+        """Stop every worker: SIGTERM to its process group, SIGKILL after stop_timeout_s.
+
+        Returns once every group is gone. No worker restarts once this began.
+        Calling it again, or before start(), is harmless.
+        """
+        self._stopping.set()
+        await asyncio.gather(*self._supervisors.values(), return_exceptions=True)
+
+    async def _supervise(self, worker: SpawnedWorker, first_start: asyncio.Future[None]) -> None:
+        try:
+            proc, started_at = await self._launch(worker)
+        finally:
+            if not first_start.done():  # start() may have been cancelled meanwhile
+                first_start.set_result(None)
+        failures = 0
+        while True:
+            returncode = None if proc is None else await self._wait_exit_or_stop(worker, proc)
+            if self._stopping.is_set():
+                if proc is not None:
+                    await self._terminate(worker, proc)
+                return
+            ran_s = None if proc is None else time.monotonic() - started_at
+            if proc is not None:
+                # Whatever the leader left behind in its group (a wrapper's server) would hold
+                # the port and serve a dead worker's episodes: it goes with its leader.
+                _signal_group(proc.pid, signal.SIGKILL)
+            self._report_exit(worker, returncode)
+            delay, failures = next_restart(failures, ran_s)
+            if await self._stop_requested_within(delay):
+                return
+            proc, started_at = await self._launch(worker)
+
+    async def _launch(
+        self, worker: SpawnedWorker
+    ) -> tuple[asyncio.subprocess.Process | None, float]:
+        await self._adopt_while_listening(worker)
+        argv = self._argv[worker.worker_id]
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=subprocess.DEVNULL,
+                env=self._env[worker.worker_id],
+                start_new_session=True,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            logger.error("spawn: worker %s: cannot start %s: %s", worker.worker_id, argv[0], exc)
+            return None, time.monotonic()
+        self._procs[worker.worker_id] = proc
+        logger.info("spawn: worker %s started, pid %d", worker.worker_id, proc.pid)
+        return proc, time.monotonic()
+
+    async def _adopt_while_listening(self, worker: SpawnedWorker) -> None:
+        """While something listens on the worker's port, start nothing.
+
+        After a router restart, the workers of the previous run are still there
+        (each in its own session) and reconnect over the control socket: they
+        are adopted, not respawned. Once the port refuses connections, the
+        process that held it is gone and a new one starts.
+        """
+        said = False
+        while not self._stopping.is_set() and await _port_listening(self.spec.host, worker.port):
+            if not said:
+                logger.info(
+                    "spawn: worker %s: port %d in use, adopting the process there",
+                    worker.worker_id,
+                    worker.port,
+                )
+                said = True
+            if await self._stop_requested_within(ADOPT_POLL_S):
+                return
+
+    async def _wait_exit_or_stop(
+        self, worker: SpawnedWorker, proc: asyncio.subprocess.Process
+    ) -> int | None:
+        exited = asyncio.create_task(proc.wait(), name=f"spawn-wait-{worker.worker_id}")
+        stopping = asyncio.create_task(self._stopping.wait(), name=f"spawn-stop-{worker.worker_id}")
+        try:
+            await asyncio.wait((exited, stopping), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exited.cancel()
+            stopping.cancel()
+        return proc.returncode
+
+    async def _stop_requested_within(self, delay: float) -> bool:
+        if delay <= 0:
+            return self._stopping.is_set()
+        try:
+            await asyncio.wait_for(self._stopping.wait(), delay)
+        except TimeoutError:
+            return False
+        return True
+
+    def _report_exit(self, worker: SpawnedWorker, returncode: int | None) -> None:
+        if returncode is not None:  # a start that failed was logged with its reason already
+            logger.warning("spawn: worker %s exited with %s", worker.worker_id, returncode)
+        try:
+            self._on_exit(worker, returncode)
+        except Exception:
+            logger.exception("spawn: on_exit failed for worker %s", worker.worker_id)
+
+    async def _terminate(self, worker: SpawnedWorker, proc: asyncio.subprocess.Process) -> None:
+        _signal_group(proc.pid, signal.SIGTERM)
+        if await _group_gone_by(proc, time.monotonic() + self.spec.stop_timeout_s):
+            return
+        logger.warning(
+            "spawn: worker %s still running %.1f s after SIGTERM; sending SIGKILL",
+            worker.worker_id,
+            self.spec.stop_timeout_s,
+        )
+        _signal_group(proc.pid, signal.SIGKILL)
+        try:
+            await asyncio.wait_for(proc.wait(), KILL_WAIT_S)
+        except TimeoutError:
+            logger.error("spawn: worker %s pid %d survived SIGKILL", worker.worker_id, proc.pid)
+
+
+async def _group_gone_by(proc: asyncio.subprocess.Process, deadline: float) -> bool:
+    """Wait until the process and every member of its group exited; False at the deadline."""
+    try:
+        await asyncio.wait_for(proc.wait(), max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        return False
+    # Bounded by the deadline: a wrapper's child may still be shutting down after its leader.
+    while _group_running(proc.pid):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(GROUP_POLL_S)
+    return True
+
+
+async def _port_listening(host: str, port: int) -> bool:
+    """True if a connect to host:port succeeds (refused, or no answer in time: False)."""
+    try:
+        async with asyncio.timeout(ADOPT_PROBE_TIMEOUT_S):
+            _, writer = await asyncio.open_connection(host, port)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
+def _signal_group(pgid: int, signum: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        pass  # the whole group already exited
+    except PermissionError:
+        logger.error("spawn: not allowed to signal process group %d", pgid)
+
+
+def _group_running(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return _group_has_live_member(pgid)
+
+
+def _group_has_live_member(pgid: int) -> bool:
+    """Tell whether a group has a member that is not a zombie.
+
+    kill() succeeds on zombies too, and orphaned members stay zombies for good
+    when nothing reaps them (a container whose init does not reap). On Linux,
+    /proc tells them apart; elsewhere the group counts as running. This reads
+    /proc synchronously: it runs only during stop(), while a group lingers.
+    """
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as stat_file:
+                stat = stat_file.read()
+        except OSError:
+            continue  # exited meanwhile, or not ours to read
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) >= 3 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def _log_supervisor_end(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("spawn: %s failed", task.get_name(), exc_info=task.exception())

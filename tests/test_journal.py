@@ -1,0 +1,175 @@
+"""The state journal: what one run writes, the next one replays to the same state."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from router.claims import ClaimState
+from router.core import CoreSettings, RouterCore
+from router.journal import COMPACT_MIN_LINES, JournalFile, replay, snapshot
+from router.workers import WorkerOrigin, WorkerState
+
+SETTINGS = CoreSettings(kinds={"episode": False}, tombstone_ttl_s=100.0, recovery_window_s=30.0)
+WALL0 = 1_800_000_000.0
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_with_journal(path: Path) -> tuple[RouterCore, JournalFile]:
+    core = RouterCore(SETTINGS, 0.0)
+    journal = JournalFile(str(path), clock=Clock(WALL0))
+    journal.compact(core, 0.0)
+    core.journal = journal
+    return core, journal
+
+
+def state(core: RouterCore) -> dict[str, object]:
+    """Everything the journal is meant to carry across a restart."""
+    claims = {(c.kind, c.key): (c.worker, c.state.value) for c in core.claims.held()}
+    claims |= {(c.kind, c.key): (c.worker, c.state.value) for c in core.claims.tombstones()}
+    workers = {
+        w.id: (w.url, w.boot, w.draining, w.state is WorkerState.EXITED) for w in core.workers
+    }
+    return {"claims": claims, "workers": workers}
+
+
+def restart(path: Path, mono_now: float = 0.0, wall_now: float = WALL0) -> RouterCore:
+    core = RouterCore(SETTINGS, mono_now)
+    lines = JournalFile(str(path), clock=Clock(wall_now)).read()
+    assert replay(core, lines, mono_now, wall_now) == 0
+    return core
+
+
+def test_claims_releases_drains_and_exits_survive_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "journal"
+    core, journal = run_with_journal(path)
+    w0 = core.register("w0", "http://127.0.0.1:9001", WorkerOrigin.CONTROL, 0.0, "b0")
+    w1 = core.register("w1", "http://127.0.0.1:9002", WorkerOrigin.CONTROL, 0.0, "b1")
+    w2 = core.register("w2", "http://127.0.0.1:9003", WorkerOrigin.CONTROL, 0.0, "b2")
+    assert core.claim(w0, "episode", "a", 1.0) is None
+    assert core.claim(w0, "episode", "b", 1.0) is None
+    assert core.claim(w1, "episode", "c", 1.0) is None
+    assert core.claim(w2, "episode", "d", 1.0) is None
+    assert core.claim(w1, "episode", "a", 1.0) is not None  # conflict: not journaled as held
+    assert core.release(w0, "episode", "b", 2.0)
+    core.set_draining(w1, True)
+    core.sync(w1, [("episode", "c"), ("episode", "e")], 3.0)
+    core.retire(w2, 4.0)
+    journal.close()
+
+    replayed = restart(path)
+
+    assert state(replayed) == state(core)
+    assert replayed.claims.lookup("episode", "b").state is ClaimState.ENDED  # type: ignore[union-attr]
+    assert replayed.claims.lookup("episode", "d").state is ClaimState.EXITED  # type: ignore[union-attr]
+    back_w0 = replayed.workers.get("w0")
+    assert back_w0 is not None
+    assert (back_w0.origin, back_w0.state) == (WorkerOrigin.JOURNAL, WorkerState.LOST)
+    exited_w2 = replayed.workers.get("w2")
+    assert exited_w2 is not None and exited_w2.state is WorkerState.EXITED
+
+
+def test_replayed_workers_are_expected_and_recovery_ends_when_they_sync(tmp_path: Path) -> None:
+    path = tmp_path / "journal"
+    core, journal = run_with_journal(path)
+    w0 = core.register("w0", "http://127.0.0.1:9001", WorkerOrigin.CONTROL, 0.0, "b0")
+    core.claim(w0, "episode", "a", 1.0)
+    journal.close()
+
+    replayed = restart(path, mono_now=500.0)
+    assert replayed.recovering(500.0)
+    assert replayed.route("episode", "zzz", 500.0).code == "recovering"  # type: ignore[union-attr]
+    back = replayed.register("w0", "http://127.0.0.1:9001", WorkerOrigin.CONTROL, 501.0, "b0")
+    replayed.sync(back, [("episode", "a")], 501.0)
+    assert not replayed.recovering(501.0)
+    assert replayed.route("episode", "zzz", 501.0).code == "unknown_episode"  # type: ignore[union-attr]
+
+
+def test_tombstone_ages_carry_over_in_wall_time(tmp_path: Path) -> None:
+    path = tmp_path / "journal"
+    core, journal = run_with_journal(path)
+    w0 = core.register("w0", "http://127.0.0.1:9001", WorkerOrigin.CONTROL, 0.0, "b0")
+    core.claim(w0, "episode", "old", 0.0)
+    core.release(w0, "episode", "old", 0.0)  # written at wall WALL0
+    journal.close()
+
+    # 60 s of wall time later the tombstone is 60 s old: 40 s left of its 100 s TTL.
+    replayed = restart(path, mono_now=7.0, wall_now=WALL0 + 60)
+    assert replayed.claims.lookup("episode", "old") is not None
+    replayed.claims.expire(7.0 + 39.0)
+    assert replayed.claims.lookup("episode", "old") is not None
+    replayed.claims.expire(7.0 + 40.0)
+    assert replayed.claims.lookup("episode", "old") is None
+
+
+def test_compaction_rewrites_a_snapshot_that_replays_to_the_same_state(tmp_path: Path) -> None:
+    path = tmp_path / "journal"
+    core, journal = run_with_journal(path)
+    w0 = core.register("w0", "http://127.0.0.1:9001", WorkerOrigin.CONTROL, 0.0, "b0")
+    for i in range(COMPACT_MIN_LINES // 2 + 10):
+        core.claim(w0, "episode", f"k{i}", 1.0)
+        core.release(w0, "episode", f"k{i}", 1.0)
+    core.claim(w0, "episode", "live", 1.0)
+    live = core.claims.held_total + core.claims.tombstone_count + len(core.workers)
+    assert not journal.wants_compaction(10 * live)
+    assert journal.wants_compaction(live // 10)
+    journal.compact(core, 1.0)
+    lines = path.read_bytes().splitlines()
+    assert len(lines) == 1 + 1 + 1 + core.claims.tombstone_count  # version, worker, claim, tombs
+    journal.close()
+    assert state(restart(path)) == state(core)
+
+
+def test_a_torn_or_foreign_line_is_skipped_and_counted(tmp_path: Path) -> None:
+    path = tmp_path / "journal"
+    core, journal = run_with_journal(path)
+    w0 = core.register("w0", "http://127.0.0.1:9001", WorkerOrigin.CONTROL, 0.0, "b0")
+    core.claim(w0, "episode", "a", 1.0)
+    journal.close()
+    with path.open("ab") as file:
+        file.write(b'{"op":"claim","kind":"episode","key":"tor')  # a write cut short
+
+    replayed = RouterCore(SETTINGS, 0.0)
+    lines = path.read_bytes().splitlines() + [b'{"op":"format-c:"}', b"[]"]
+    assert replay(replayed, lines, 0.0, WALL0) == 3
+    assert state(replayed) == state(core)
+
+
+def test_snapshot_leaves_out_static_workers_and_exited_ones() -> None:
+    core = RouterCore(SETTINGS, 0.0)
+    core.register("s0", "http://127.0.0.1:9001", WorkerOrigin.STATIC, 0.0)
+    gone = core.register("w1", "http://127.0.0.1:9002", WorkerOrigin.CONTROL, 0.0, "b1")
+    core.claim(gone, "episode", "x", 0.0)
+    core.retire(gone, 1.0)
+    records = snapshot(core, WALL0, 1.0)
+    assert [r["op"] for r in records] == ["version", "tomb"]
+    assert records[1] | {"t": 0} == {
+        "op": "tomb",
+        "kind": "episode",
+        "key": "x",
+        "worker": "w1",
+        "state": "worker_exited",
+        "t": 0,
+    }
+
+
+def test_journal_lines_are_plain_json_one_per_change(tmp_path: Path) -> None:
+    path = tmp_path / "journal"
+    core, journal = run_with_journal(path)
+    w0 = core.register("w0", "unix:/run/w0.sock", WorkerOrigin.CONTROL, 0.0, "b0")
+    core.claim(w0, "episode", "a", 1.0)
+    journal.close()
+    records = [json.loads(line) for line in path.read_bytes().splitlines()]
+    assert [(r["op"], r.get("key")) for r in records] == [
+        ("version", None),
+        ("worker", None),
+        ("claim", "a"),
+    ]
+    assert path.stat().st_mode & 0o777 == 0o600
