@@ -137,7 +137,7 @@ def test_a_torn_or_foreign_line_is_skipped_and_counted(tmp_path: Path) -> None:
         file.write(b'{"op":"claim","kind":"episode","key":"tor')  # a write cut short
 
     replayed = RouterCore(SETTINGS, 0.0)
-    lines = path.read_bytes().splitlines() + [b'{"op":"format-c:"}', b"[]"]
+    lines = [*path.read_bytes().splitlines(), b'{"op":"format-c:"}', b"[]"]
     assert replay(replayed, lines, 0.0, WALL0) == 3
     assert state(replayed) == state(core)
 
