@@ -23,14 +23,14 @@ import os
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal
+from typing import Literal, Protocol
 
 import aiohttp
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 from yarl import URL
 
-__all__ = ["ForwardTimeouts", "Forwarder", "Upstream", "UpstreamFailure"]
+__all__ = ["ForwardTimeouts", "Forwarder", "ReplyObserver", "Upstream", "UpstreamFailure"]
 
 log = logging.getLogger("episode_router.forward")
 
@@ -72,6 +72,19 @@ _CLIENT_CHECK_S = 0.5
 # A reply header line from a worker may be this long: workers are our own processes and a
 # large Set-Cookie or MCP header must pass, but a runaway one still fails the reply.
 _MAX_REPLY_FIELD = 64 * 1024
+
+
+class ReplyObserver(Protocol):
+    """Sees a reply before its head goes to the client (to learn claims from it)."""
+
+    def head(self, status: int, headers: Mapping[str, str], set_cookies: list[str]) -> int:
+        """Called with the worker's reply head. Returns how many body bytes it wants
+        to see (0: none); the body is then read up to that before the head goes out."""
+        ...
+
+    def body(self, data: bytes) -> None:
+        """The whole reply body, when it ended within the bytes `head` asked for."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,8 +425,15 @@ class Forwarder:
         *,
         extra_headers: Mapping[str, str] = _NO_HEADERS,
         public_base: str | None = None,
+        body: bytes | None = None,
+        observer: ReplyObserver | None = None,
     ) -> web.StreamResponse:
         """Relays `request` to `upstream` and the reply back, streaming both bodies.
+
+        `body`: the request body when the caller already read it (to find a session in
+        it); it is sent as it is. `observer`: shown the reply head (and, if it asks, a
+        small body) before anything reaches the client, so a claim learned from a reply
+        is in the table before the client can send its next request.
 
         Returns the (already prepared and finished) response for the handler to return.
         Raises UpstreamFailure when the forward fails before the reply head was sent to the
@@ -422,17 +442,20 @@ class Forwarder:
         returned all the same.
         """
         pool = self._pool_for(upstream)
-        reply = await self._send(pool, request, extra_headers)
+        reply = await self._send(pool, request, extra_headers, body)
         if reply.status == 101:
             reply.close()
             raise UpstreamFailure("error", "it switched protocols, which is not forwarded")
+        prefix = b""
+        if observer is not None:
+            prefix = await self._observe(reply, observer)
         headers = reply_headers_for_client(
             reply.headers.items(), private_origin=pool.private_origin, public_base=public_base
         )
         response = _RelayedResponse(status=reply.status, reason=reply.reason, headers=headers)
         clean = False
         try:
-            clean = await self._relay(request, reply.content, response)
+            clean = await self._relay(request, reply.content, response, prefix)
         finally:
             # A fully relayed reply returns its connection to the pool; any other end closes
             # it, so a half-read connection is never reused.
@@ -506,8 +529,33 @@ class Forwarder:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
+    async def _observe(self, reply: aiohttp.ClientResponse, observer: ReplyObserver) -> bytes:
+        """Shows the head to `observer`, then the body if it is small and it asks;
+        returns the body bytes read ahead (relayed before the rest)."""
+        wanted = observer.head(reply.status, reply.headers, reply.headers.getall("Set-Cookie", []))
+        if wanted <= 0 or (reply.content_length is not None and reply.content_length > wanted):
+            return b""
+        read: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self._timeouts.stream_idle_s):
+                while size <= wanted:
+                    chunk = await reply.content.readany()
+                    if not chunk:
+                        observer.body(b"".join(read))
+                        break
+                    read.append(chunk)
+                    size += len(chunk)
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            pass  # what was read is relayed; the copy loop meets the same fault and aborts
+        return b"".join(read)
+
     async def _send(
-        self, pool: _Pool, request: web.Request, extra_headers: Mapping[str, str]
+        self,
+        pool: _Pool,
+        request: web.Request,
+        extra_headers: Mapping[str, str],
+        body: bytes | None,
     ) -> aiohttp.ClientResponse:
         """Sends the request head (and starts the body); returns once the reply head is in."""
         if request.method == hdrs.METH_CONNECT:
@@ -520,7 +568,9 @@ class Forwarder:
             extra=extra_headers,
         )
         upload = _Upload(request.content, self._timeouts.first_byte_s)
-        data = upload.chunks() if request.body_exists else None
+        data: bytes | AsyncIterator[bytes] | None = (
+            body if body is not None else upload.chunks() if request.body_exists else None
+        )
         loop = upload.loop
         timeouts = self._timeouts
         try:
@@ -541,11 +591,18 @@ class Forwarder:
             upload.deadline = None
 
     async def _relay(
-        self, request: web.Request, content: aiohttp.StreamReader, response: _RelayedResponse
+        self,
+        request: web.Request,
+        content: aiohttp.StreamReader,
+        response: _RelayedResponse,
+        prefix: bytes = b"",
     ) -> bool:
-        """Sends the reply head and copies the body; True when the client got all of it."""
+        """Sends the reply head (and `prefix`, body bytes already read) and copies the
+        rest of the body; True when the client got all of it."""
         try:
             await response.prepare(request)
+            if prefix:
+                await response.write(prefix)
         except ConnectionError:
             return False  # the client left before the head went out
         transport = request.transport

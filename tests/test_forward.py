@@ -1097,3 +1097,111 @@ async def test_forwards_after_close_fail_cleanly(
         assert resp.status == 502
     [failure] = router.failures
     assert (failure.kind, failure.request_sent) == ("error", False)
+
+
+# --- observing replies and pre-read bodies -------------------------------------------------
+
+
+class Watcher:
+    """A ReplyObserver that records what it was shown, and when."""
+
+    def __init__(self, wants: int) -> None:
+        self.wants = wants
+        self.heads: list[tuple[int, str | None, list[str]]] = []
+        self.bodies: list[bytes] = []
+
+    def head(self, status: int, headers: Any, set_cookies: list[str]) -> int:
+        self.heads.append((status, headers.get("X-Session"), set_cookies))
+        return self.wants
+
+    def body(self, data: bytes) -> None:
+        self.bodies.append(data)
+
+
+async def observed_router(
+    stack: AsyncExitStack, upstream: Upstream, watcher: Watcher, body: bytes | None = None
+) -> Router:
+    forwarder = Forwarder(TIMEOUTS)
+    stack.push_async_callback(forwarder.close)
+    router = Router(upstream, forwarder)
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await forwarder.forward(request, upstream, observer=watcher, body=body)
+
+    router.port = await serve(stack, worker_app(handle))
+    return router
+
+
+async def test_the_observer_sees_the_head_and_a_small_body_before_the_client(
+    stack: AsyncExitStack, client: aiohttp.ClientSession
+) -> None:
+    async def seed(request: web.Request) -> web.StreamResponse:
+        reply = web.json_response({"mcp": {"headers": {"X-Token": "t1"}}})
+        reply.headers["X-Session"] = "s1"
+        reply.set_cookie("a", "1")
+        reply.set_cookie("b", "2")
+        return reply
+
+    watcher = Watcher(wants=65536)
+    router = await observed_router(stack, await serve_worker(stack, worker_app(seed)), watcher)
+    async with client.post(router.url + "/seed") as reply:
+        assert watcher.heads and watcher.bodies  # both seen before the client read anything
+        assert await reply.json() == {"mcp": {"headers": {"X-Token": "t1"}}}
+    status, session, cookies = watcher.heads[0]
+    assert (status, session) == (200, "s1")
+    assert [c.split(";")[0] for c in cookies] == ["a=1", "b=2"]
+    assert json.loads(watcher.bodies[0]) == {"mcp": {"headers": {"X-Token": "t1"}}}
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_a_body_over_what_the_observer_wants_is_streamed_unseen(
+    stack: AsyncExitStack, client: aiohttp.ClientSession, chunked: bool
+) -> None:
+    payload = os.urandom(200_000)
+
+    async def big(request: web.Request) -> web.StreamResponse:
+        reply = web.StreamResponse()
+        if not chunked:
+            reply.content_length = len(payload)
+        await reply.prepare(request)
+        for start in range(0, len(payload), 50_000):
+            await reply.write(payload[start : start + 50_000])
+        await reply.write_eof()
+        return reply
+
+    watcher = Watcher(wants=1000)
+    router = await observed_router(stack, await serve_worker(stack, worker_app(big)), watcher)
+    async with client.get(router.url + "/big") as reply:
+        assert await reply.read() == payload
+    assert len(watcher.heads) == 1
+    assert watcher.bodies == []
+
+
+async def test_an_observer_that_wants_nothing_leaves_the_stream_alone(
+    stack: AsyncExitStack, client: aiohttp.ClientSession
+) -> None:
+    async def small(request: web.Request) -> web.StreamResponse:
+        return web.Response(text="hello")
+
+    watcher = Watcher(wants=0)
+    router = await observed_router(stack, await serve_worker(stack, worker_app(small)), watcher)
+    async with client.get(router.url + "/") as reply:
+        assert await reply.text() == "hello"
+    assert [h[0] for h in watcher.heads] == [200]
+    assert watcher.bodies == []
+
+
+async def test_a_body_read_ahead_by_the_caller_is_sent_as_it_is(
+    stack: AsyncExitStack, client: aiohttp.ClientSession
+) -> None:
+    seen: list[tuple[bytes, str | None]] = []
+
+    async def echo(request: web.Request) -> web.StreamResponse:
+        seen.append((await request.read(), request.headers.get("Content-Length")))
+        return web.Response(text="ok")
+
+    upstream = await serve_worker(stack, worker_app(echo))
+    router = await observed_router(stack, upstream, Watcher(0), body=b'{"session_id": "s9"}')
+    async with client.post(router.url + "/x", data=b'{"session_id": "s9"}') as reply:
+        assert reply.status == 200
+    assert seen == [(b'{"session_id": "s9"}', "20")]
