@@ -16,6 +16,7 @@ from aiohttp import web
 from router.answers import Answer, render
 from router.core import Forward, RouterCore
 from router.forward import Forwarder, Upstream, UpstreamFailure
+from router.learn import ReplyLearner, plan_learning
 from router.sessions import SessionReader, SessionRef
 from router.workers import Worker, WorkerState
 
@@ -74,14 +75,29 @@ class PublicHandler:
         refusal = self._refuse_early(request)
         if refusal is not None:
             return answer_response(refusal, request)
-        found = self.sessions.read(request.headers, self._wall_clock())
+        exchange = _Exchange(request)
+        found = await self._read_session(exchange)
         if isinstance(found, Answer):
             return answer_response(found, request)
-        kind, key = (found.kind, found.key) if isinstance(found, SessionRef) else (None, None)
+        exchange.found = found
+        kind, key = (found.kind, found.key) if found is not None else (None, None)
         decision = self.core.route(kind, key, self._clock())
         if isinstance(decision, Answer):
             return answer_response(decision, request)
-        return await self._forward(request, decision, sessionless=key is None)
+        return await self._forward(exchange, decision, sessionless=key is None)
+
+    async def _read_session(self, exchange: _Exchange) -> SessionRef | Answer | None:
+        """The session the request names, from its head, then its body, then its path."""
+        reader, request = self.sessions, exchange.request
+        if reader.has_seeds:
+            exchange.seeding = reader.seeding(request.method, exchange.path)
+        found = reader.read_head(request.headers, self._wall_clock(), exchange.seeding)
+        if found is None and reader.reads_bodies and _small_json_body(request, reader):
+            exchange.body = await request.read()
+            found = reader.read_body(exchange.body, exchange.seeding)
+        if found is None and reader.reads_paths:
+            found = reader.read_path(exchange.path, exchange.seeding)
+        return found
 
     def _refuse_early(self, request: web.Request) -> Answer | None:
         if self.shutting_down:
@@ -92,8 +108,9 @@ class PublicHandler:
         return None
 
     async def _forward(
-        self, request: web.Request, decision: Forward, *, sessionless: bool
+        self, exchange: _Exchange, decision: Forward, *, sessionless: bool
     ) -> web.StreamResponse:
+        request = exchange.request
         if request.headers.get("Expect", "").lower() == "100-continue":
             # The client waits for this before it sends the body; the worker never
             # sees Expect (the forwarder drops it), so the router says it here.
@@ -102,7 +119,7 @@ class PublicHandler:
         while True:
             worker = decision.worker
             tried.add(worker.id)
-            outcome = await self._forward_once(request, decision)
+            outcome = await self._forward_once(exchange, decision)
             if not isinstance(outcome, UpstreamFailure):
                 return outcome
             gone = outcome.kind != "timeout" and await self._check_worker(worker)
@@ -117,8 +134,9 @@ class PublicHandler:
             return answer_response(self._failure_answer(outcome, gone, decision), request)
 
     async def _forward_once(
-        self, request: web.Request, decision: Forward
+        self, exchange: _Exchange, decision: Forward
     ) -> web.StreamResponse | UpstreamFailure:
+        request = exchange.request
         worker = decision.worker
         extra = {BOOT_HEADER: decision.boot} if decision.boot else {}
         worker.in_flight += 1
@@ -128,11 +146,26 @@ class PublicHandler:
                 Upstream(worker.id, worker.url),
                 extra_headers=extra,
                 public_base=f"{request.scheme}://{request.host}",
+                body=exchange.body,
+                observer=self._learner(exchange, worker),
             )
         except UpstreamFailure as failure:
             return failure
         finally:
             worker.in_flight -= 1
+
+    def _learner(self, exchange: _Exchange, worker: Worker) -> ReplyLearner | None:
+        """A watcher for the reply when it may teach a claim (seed, close, MCP)."""
+        reader = self.sessions
+        if not reader.learns:
+            return None
+        request = exchange.request
+        plan = plan_learning(
+            reader, request.method, exchange.path, exchange.found, exchange.seeding
+        )
+        if not plan:
+            return None
+        return ReplyLearner(plan, self.core, worker, clock=self._clock, wall_clock=self._wall_clock)
 
     def _failure_answer(self, failure: UpstreamFailure, gone: bool, decision: Forward) -> Answer:
         """DESIGN §3: before the reply head, a refused connect or a worker whose lease
@@ -146,3 +179,27 @@ class PublicHandler:
         if failure.kind == "timeout":
             return Answer("upstream_timeout", "The worker did not answer in time.", session)
         return Answer("upstream_error", f"The worker failed: {failure.detail}", session)
+
+
+class _Exchange:
+    """One request on its way through the handler, with what was learned of it."""
+
+    __slots__ = ("body", "found", "path", "request", "seeding")
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        # Routes are matched on the raw path, as the worker will read it.
+        self.path = request.raw_path.partition("?")[0]
+        self.seeding: frozenset[str] = frozenset()
+        self.found: SessionRef | None = None
+        self.body: bytes | None = None  # read only when a body kind needed it
+
+
+def _small_json_body(request: web.Request, reader: SessionReader) -> bool:
+    """A body kind may look only at a JSON body whose length is known and small:
+    anything else names no session (and is streamed, never buffered)."""
+    length = request.content_length
+    if length is None or length > reader.max_body_bytes:
+        return False
+    media = request.content_type
+    return media == "application/json" or media.endswith("+json")

@@ -24,6 +24,7 @@ class CoreSettings:
     """The settings the state machine needs (a subset of the config)."""
 
     kinds: dict[str, bool]  # session kind name → True when unknown keys are forwarded
+    mcp_kinds: frozenset[str] = frozenset()  # unknown or ended keys of these get 404
     lease_timeout_s: float = 15.0
     reconnect_grace_s: float = 5.0
     tombstone_ttl_s: float = 3600.0
@@ -39,6 +40,7 @@ class JournalSink(Protocol):
     def worker(self, worker: Worker) -> None: ...
     def drain(self, worker: Worker) -> None: ...
     def claim(self, kind: str, key: str, worker: str) -> None: ...
+    def learn(self, kind: str, key: str, worker: str) -> None: ...
     def release(self, kind: str, key: str, worker: str) -> None: ...
     def sync(self, worker: str, claims: Iterable[tuple[str, str]]) -> None: ...
     def exited(self, worker: str) -> None: ...
@@ -52,6 +54,9 @@ class _NoJournal:
         pass
 
     def claim(self, kind: str, key: str, worker: str) -> None:
+        pass
+
+    def learn(self, kind: str, key: str, worker: str) -> None:
         pass
 
     def release(self, kind: str, key: str, worker: str) -> None:
@@ -108,6 +113,8 @@ class RouterCore:
         self._expected: set[str] = set()  # workers to hear from before recovery ends early
         self._recovered: set[str] = set()
         self.conflicts = 0
+        self.learned = 0
+        self.learn_conflicts = 0
 
     # -- recovery ----------------------------------------------------------
 
@@ -167,6 +174,8 @@ class RouterCore:
                 "worker_exited", "The worker that ran this episode is no longer running.", key
             )
         if claim.state is ClaimState.ENDED:
+            if kind in self.settings.mcp_kinds:
+                return _unknown_mcp_session(key)
             return Answer("episode_ended", "This episode has ended.", key)
         return Answer(
             "worker_exited", "The worker that ran this episode is no longer running.", key
@@ -182,6 +191,8 @@ class RouterCore:
             )
         if self.settings.kinds.get(kind, False):
             return self.balance(key)
+        if kind in self.settings.mcp_kinds:
+            return _unknown_mcp_session(key)
         return Answer("unknown_episode", "No worker holds this episode.", key)
 
     def balance(self, session: str | None, exclude: frozenset[str] = frozenset()) -> Decision:
@@ -291,6 +302,21 @@ class RouterCore:
             self.conflicts += 1
         return refusal
 
+    def learn(self, worker: Worker, kind: str, key: str, now: float) -> ClaimRefusal | None:
+        """A claim learned from `worker`'s reply (a seed route, an MCP session).
+        A key another worker holds is not learned (counted in `learn_conflicts`)."""
+        refusal = self.claims.claim(kind, key, worker.id, now, learned=True)
+        if refusal is None:
+            self.learned += 1
+            self.journal.learn(kind, key, worker.id)
+        else:
+            self.learn_conflicts += 1
+        return refusal
+
+    def release_learned(self, worker: Worker, kind: str, key: str, now: float) -> bool:
+        """A close route's (or MCP DELETE's) 2xx reply ends the session."""
+        return self.release(worker, kind, key, now)
+
     def release(self, worker: Worker, kind: str, key: str, now: float) -> bool:
         released = self.claims.release(kind, key, worker.id, now)
         if released:
@@ -306,3 +332,8 @@ class RouterCore:
 
     def session_info(self, kind: str, key: str) -> Claim | None:
         return self.claims.lookup(kind, key)
+
+
+def _unknown_mcp_session(key: str) -> Answer:
+    # The MCP specification's answer to an unknown session: the client starts a new one.
+    return Answer("unknown_session", "No MCP session with this id; start a new one.", key)

@@ -57,6 +57,9 @@ class JournalFile:
     def claim(self, kind: str, key: str, worker: str) -> None:
         self._append({"op": "claim", "kind": kind, "key": key, "worker": worker})
 
+    def learn(self, kind: str, key: str, worker: str) -> None:
+        self._append({"op": "learn", "kind": kind, "key": key, "worker": worker})
+
     def release(self, kind: str, key: str, worker: str) -> None:
         self._append({"op": "release", "kind": kind, "key": key, "worker": worker})
 
@@ -132,9 +135,8 @@ def snapshot(core: RouterCore, wall_now: float, mono_now: float) -> list[dict[st
             if worker.draining:
                 records.append({"op": "drain", "id": worker.id, "on": True})
     for claim in core.claims.held():
-        records.append(
-            {"op": "claim", "kind": claim.kind, "key": claim.key, "worker": claim.worker}
-        )
+        op = "learn" if claim.learned else "claim"
+        records.append({"op": op, "kind": claim.kind, "key": claim.key, "worker": claim.worker})
     for claim in core.claims.tombstones():
         records.append(_tombstone_record(claim, wall_now - (mono_now - claim.since)))
     return records
@@ -184,6 +186,10 @@ def _apply(core: RouterCore, record: dict[str, Any], at: float) -> None:
             worker.draining = bool(record["on"])
     elif op == "claim":
         claims.claim(str(record["kind"]), str(record["key"]), str(record["worker"]), at)
+    elif op == "learn":
+        claims.claim(
+            str(record["kind"]), str(record["key"]), str(record["worker"]), at, learned=True
+        )
     elif op == "release":
         claims.release(str(record["kind"]), str(record["key"]), str(record["worker"]), at)
     elif op == "sync":

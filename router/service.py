@@ -28,9 +28,8 @@ from router.core import CoreSettings, RouterCore
 from router.forward import Forwarder, ForwardTimeouts
 from router.health import HealthProber, probe_connect
 from router.journal import JournalFile, replay
-from router.sessions import SessionKind, SessionReader
+from router.sessions import SessionKind, SessionReader, kind_from_config
 from router.spawn import SpawnedWorker, Spawner, SpawnSpec
-from router.tokens import TokenVerifier
 from router.workers import Worker, WorkerOrigin, WorkerState
 
 log = logging.getLogger("episode_router")
@@ -41,6 +40,7 @@ TICK_INTERVAL_S = 0.25  # lease, grace and recovery deadlines are checked this o
 def core_settings(config: Config) -> CoreSettings:
     return CoreSettings(
         kinds={kind.name: kind.unclaimed == "forward" for kind in config.sessions},
+        mcp_kinds=frozenset(kind.name for kind in config.sessions if kind.mcp is not None),
         lease_timeout_s=config.control.lease_timeout_s,
         reconnect_grace_s=config.control.reconnect_grace_s,
         tombstone_ttl_s=config.claims.tombstone_ttl_s,
@@ -52,20 +52,7 @@ def core_settings(config: Config) -> CoreSettings:
 
 
 def session_kinds(config: Config) -> list[SessionKind]:
-    kinds = []
-    for kind in config.sessions:
-        verify = kind.token.verify
-        verifier = TokenVerifier.from_config(verify.alg, verify.key) if verify else None
-        kinds.append(
-            SessionKind(
-                name=kind.name,
-                header=kind.header,
-                format=kind.token.format,
-                verifier=verifier,
-                unclaimed_forward=kind.unclaimed == "forward",
-            )
-        )
-    return kinds
+    return [kind_from_config(kind) for kind in config.sessions]
 
 
 class RouterService:

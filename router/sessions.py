@@ -1,24 +1,44 @@
-"""Session kinds: which session a request names, read from its headers (DESIGN §4).
+"""Session kinds: which session a request names (DESIGN §4).
 
-`SessionReader.read(headers, now)` returns the (kind, key) a request names,
-None when it names none, or the router's answer when what it carries cannot be
-used (malformed token, bad signature, the same header repeated with different
-values). The first source present decides on its own: the router never falls
-through to a weaker source when a stronger one is invalid.
+`SessionReader` reads the sources in the contract's fixed order, and within
+each source in the configured order:
 
-Pure: takes any header mapping with `getall`, reads no clock.
+1. JWS or raw header tokens;
+2. cookies;
+3. itsdangerous header tokens and `Mcp-Session-Id`;
+4. JSON body fields;
+5. paths.
+
+The first source that is present decides on its own, even when its value is
+invalid: the router never falls through to a weaker source. A session header
+(or cookie) repeated with different values is `ambiguous_session`. A request
+to a kind's seed route ignores that kind's own source, so a stale cookie never
+pins a new session.
+
+Pure: no aiohttp, no clock reads. The body is read by the caller (only when a
+body kind could decide) and handed in as bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from router.answers import Answer
+from router.config import LearnConfig, RouteConfig, SessionKindConfig, SignatureConfig
+from router.formats import (
+    FormatError,
+    compile_path_pattern,
+    itsdangerous_session_key,
+    json_pointer,
+    mcp_session_key,
+    parse_cookie_header,
+    raw_session_key,
+    starlette_session_key,
+)
 from router.tokens import TokenError, TokenVerifier, parse_token
-
-MAX_RAW_KEY_CHARS = 512  # the control protocol's key bound: longer can never be claimed
 
 
 class Headers(Protocol):
@@ -26,14 +46,92 @@ class Headers(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class Route:
+    """A seed or close route: exact method and path."""
+
+    method: str
+    path: str
+
+    def matches(self, method: str, path: str) -> bool:
+        return self.path == path and self.method == method
+
+
+@dataclass(frozen=True, slots=True)
 class SessionKind:
-    """One configured kind, reduced to what reading a request needs."""
+    """One configured kind, reduced to what reading requests and replies needs."""
 
     name: str
-    header: str
-    format: str  # "jws" | "raw"
-    verifier: TokenVerifier | None = None
+    source: str  # "header" | "cookie" | "mcp" | "body_field" | "path"
+    format: str = "jws"  # header: jws | raw | itsdangerous; cookie: starlette | raw
+    header: str | None = None  # header and mcp kinds
+    cookie: str | None = None
+    field: str | None = None  # itsdangerous payload key, or the Starlette session field
+    verifier: TokenVerifier | None = None  # jws edge verification
+    signature: SignatureConfig | None = None  # itsdangerous / starlette edge verification
+    pointer: str | None = None  # body_field kinds
+    max_body_bytes: int = 65536
+    path_match: Callable[[str], str | None] | None = None  # path kinds
+    mcp_path: str | None = None
+    seed: Route | None = None
+    close: Route | None = None
+    learn: LearnConfig | None = None
     unclaimed_forward: bool = False
+
+    @property
+    def precedence(self) -> int:
+        """The contract's source order (lower reads first)."""
+        if self.source == "header":
+            return 3 if self.format == "itsdangerous" else 1
+        return {"cookie": 2, "mcp": 3, "body_field": 4, "path": 5}[self.source]
+
+    @property
+    def not_found_code(self) -> str:
+        """What naming an unknown key of this kind gets (MCP: 404, as its spec says)."""
+        return "unknown_session" if self.source == "mcp" else "unknown_episode"
+
+
+def kind_from_config(config: SessionKindConfig) -> SessionKind:
+    """The runtime view of one configured kind."""
+    base = SessionKind(
+        name=config.name,
+        source=config.source,
+        seed=_route(config.seed),
+        close=_route(config.close),
+        learn=config.seed.learn if config.seed is not None else None,
+        unclaimed_forward=config.unclaimed == "forward",
+    )
+    if config.cookie is not None:
+        cookie = config.cookie
+        return replace(
+            base,
+            format=cookie.format,
+            cookie=cookie.name,
+            field=cookie.field,
+            signature=cookie.signature,
+        )
+    if config.mcp is not None:
+        return replace(base, format="raw", header=config.mcp.header, mcp_path=config.mcp.path)
+    if config.body_field is not None:
+        body = config.body_field
+        return replace(base, format="raw", pointer=body.pointer, max_body_bytes=body.max_bytes)
+    if config.path is not None:
+        return replace(base, format="raw", path_match=compile_path_pattern(config.path.pattern))
+    token = config.token
+    verifier = None
+    if token.format == "jws" and token.verify is not None:
+        verifier = TokenVerifier.from_config(token.verify.alg, token.verify.key)
+    return replace(
+        base,
+        format=token.format,
+        header=config.header,
+        field=token.field,
+        verifier=verifier,
+        signature=token.signature,
+    )
+
+
+def _route(route: RouteConfig | None) -> Route | None:
+    return None if route is None else Route(route.method, route.path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,33 +140,123 @@ class SessionRef:
     key: str
 
 
+@dataclass(slots=True)
+class _Ordered:
+    head: list[SessionKind] = field(default_factory=list)  # sources 1-3
+    body: list[SessionKind] = field(default_factory=list)
+    path: list[SessionKind] = field(default_factory=list)
+
+
 class SessionReader:
-    """Reads the session a request names, in the configured order."""
+    """Reads the session a request names, in the contract's order."""
 
     def __init__(self, kinds: Sequence[SessionKind]) -> None:
         self.kinds = tuple(kinds)
+        self.by_name = {kind.name: kind for kind in self.kinds}
+        ordered = sorted(self.kinds, key=lambda kind: kind.precedence)  # stable: config order
+        self._order = _Ordered()
+        for kind in ordered:
+            bucket = {"body_field": self._order.body, "path": self._order.path}
+            bucket.get(kind.source, self._order.head).append(kind)
+        self.max_body_bytes = max((k.max_body_bytes for k in self._order.body), default=0)
+        # Requests that cannot use a feature skip it: an episode-token-only setup
+        # pays for none of seeds, bodies, paths or learning.
+        self.has_seeds = any(kind.seed is not None for kind in self.kinds)
+        self.reads_paths = bool(self._order.path)
+        self.learns = any(
+            kind.seed is not None or kind.close is not None or kind.mcp_path is not None
+            for kind in self.kinds
+        )
 
-    def read(self, headers: Headers, now: float) -> SessionRef | Answer | None:
-        """`now` is wall-clock seconds (token expiry is wall time)."""
-        for kind in self.kinds:
-            values = headers.getall(kind.header, [])
-            if not values:
+    @property
+    def reads_bodies(self) -> bool:
+        return bool(self._order.body)
+
+    def seeding(self, method: str, path: str) -> frozenset[str]:
+        """The kinds whose seed route this request is (their own source is ignored)."""
+        return frozenset(
+            kind.name for kind in self.kinds if kind.seed and kind.seed.matches(method, path)
+        )
+
+    def read_head(
+        self, headers: Headers, now: float, skip: frozenset[str] = frozenset()
+    ) -> SessionRef | Answer | None:
+        """Sources 1-3 (header tokens, cookies, MCP). `now` is wall-clock seconds."""
+        cookies: dict[str, list[str]] | None = None
+        for kind in self._order.head:
+            if kind.name in skip:
                 continue
-            if any(value != values[0] for value in values[1:]):
-                return Answer(
-                    "ambiguous_session",
-                    f"The {kind.header} header is repeated with different values.",
-                )
-            return self._key(kind, values[0], now)
+            if kind.source == "cookie":
+                if cookies is None:
+                    cookies = parse_cookie_header(headers.getall("Cookie", []))
+                values = cookies.get(kind.cookie or "", [])
+                label = f"{kind.cookie} cookie"
+            else:
+                values = headers.getall(kind.header or "", [])
+                label = f"{kind.header} header"
+            if values:
+                return self._decide(kind, values, label, now)
         return None
 
-    def _key(self, kind: SessionKind, value: str, now: float) -> SessionRef | Answer:
-        if kind.format == "raw":
-            if not value or len(value) > MAX_RAW_KEY_CHARS:
-                return Answer("invalid_token", f"The {kind.header} value is empty or too long.")
-            return SessionRef(kind.name, value)
+    def read_body(self, body: bytes, skip: frozenset[str] = frozenset()) -> SessionRef | None:
+        """Source 4: a JSON body field. A body that is not a JSON object, or lacks
+        the field, names no session (it is the worker's to judge, never a crash)."""
         try:
-            token = parse_token(value, now=now, verifier=kind.verifier)
+            document = json.loads(body)
+        except (ValueError, RecursionError):
+            return None
+        for kind in self._order.body:
+            if kind.name in skip or kind.pointer is None or len(body) > kind.max_body_bytes:
+                continue
+            try:
+                value = json_pointer(document, kind.pointer)
+            except LookupError:
+                continue
+            if isinstance(value, bool) or not isinstance(value, str | int):
+                continue
+            try:
+                return SessionRef(kind.name, raw_session_key(str(value)))
+            except FormatError:
+                continue
+        return None
+
+    def read_path(self, path: str, skip: frozenset[str] = frozenset()) -> SessionRef | None:
+        """Source 5: a path pattern."""
+        for kind in self._order.path:
+            if kind.name in skip or kind.path_match is None:
+                continue
+            segment = kind.path_match(path)
+            if segment is None:
+                continue
+            try:
+                return SessionRef(kind.name, raw_session_key(segment))
+            except FormatError:
+                continue  # not a key this router could ever hold: no session
+        return None
+
+    def _decide(
+        self, kind: SessionKind, values: list[str], label: str, now: float
+    ) -> SessionRef | Answer:
+        if any(value != values[0] for value in values[1:]):
+            return Answer("ambiguous_session", f"The {label} is repeated with different values.")
+        try:
+            return SessionRef(kind.name, session_key(kind, values[0], now))
         except TokenError as exc:
             return Answer(exc.code, exc.detail)
-        return SessionRef(kind.name, token.key)
+        except FormatError as exc:
+            return Answer(exc.code, exc.detail)
+
+
+def session_key(kind: SessionKind, value: str, now: float) -> str:
+    """The session key `value` names for `kind`; raises TokenError or FormatError."""
+    if kind.source == "mcp":
+        return mcp_session_key(value)
+    if kind.format == "jws":
+        return parse_token(value, now=now, verifier=kind.verifier).key
+    if kind.format == "itsdangerous":
+        return itsdangerous_session_key(value, field=kind.field or "", signature=kind.signature)
+    if kind.format == "starlette":
+        return starlette_session_key(
+            value, field=kind.field or "session_id", signature=kind.signature, now=now
+        )
+    return raw_session_key(value)

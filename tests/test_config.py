@@ -24,15 +24,22 @@ from cryptography.hazmat.primitives.serialization import (
 
 from router.config import (
     AdminConfig,
+    BodyFieldConfig,
     ClaimsConfig,
     Config,
     ConfigError,
     ControlConfig,
+    CookieSourceConfig,
     HealthConfig,
+    LearnConfig,
     LimitsConfig,
     ListenConfig,
     LogConfig,
+    McpSourceConfig,
+    PathSourceConfig,
+    RouteConfig,
     SessionKindConfig,
+    SignatureConfig,
     SpawnConfig,
     StateConfig,
     StaticWorkerConfig,
@@ -51,6 +58,8 @@ SHARED_SECRET = "control-secret-0123"
 ADMIN_TOKEN = "admin-token-0123456789"
 
 EPISODE = SessionKindConfig("episode", "X-NeMo-Gym-Episode-Token", TokenFormatConfig("jws"))
+RESOURCES_COOKIE = "ResourcesServer___resources"
+MCP_POINTER = "/mcp/headers/X-NeMo-Gym-Session-Token"
 
 # Every default written out literally, so a changed default fails here.
 DEFAULTS = Config(
@@ -145,7 +154,20 @@ def test_example_file_parses_to_its_documented_values() -> None:
         sessions=(
             EPISODE,
             SessionKindConfig(
-                "chat_session", "X-Chat-Session", TokenFormatConfig("raw"), "forward"
+                "resources",
+                cookie=CookieSourceConfig(RESOURCES_COOKIE, "starlette", "session_id"),
+                seed=RouteConfig("POST", "/seed_session", LearnConfig(cookie=RESOURCES_COOKIE)),
+                close=RouteConfig("POST", "/close_session"),
+            ),
+            SessionKindConfig(
+                "mcp_token",
+                "X-NeMo-Gym-Session-Token",
+                TokenFormatConfig("itsdangerous", "sid"),
+                seed=RouteConfig("POST", "/seed_session", LearnConfig(json_pointer=MCP_POINTER)),
+            ),
+            SessionKindConfig("mcp_session", mcp=McpSourceConfig("/mcp", "Mcp-Session-Id")),
+            SessionKindConfig(
+                "chat_session", "X-Chat-Session", TokenFormatConfig("raw"), unclaimed="forward"
             ),
         ),
     )
@@ -207,9 +229,9 @@ def test_every_key_is_read() -> None:
                 "episode",
                 "x-nemo-gym-episode-token",
                 TokenFormatConfig("jws", None, VerifyConfig("HS256", HS256_SECRET.encode())),
-                "forward",
+                unclaimed="forward",
             ),
-            SessionKindConfig("raw_1", "X-Raw", TokenFormatConfig("raw"), "reject"),
+            SessionKindConfig("raw_1", "X-Raw", TokenFormatConfig("raw"), unclaimed="reject"),
         ),
         claims=ClaimsConfig(60.0, 10, 1.0, 7.0),
         state=StateConfig("/var/lib/episode-router/journal"),
@@ -302,6 +324,169 @@ def test_config_error_carries_its_parts_and_pickles() -> None:
     assert str(pickle.loads(pickle.dumps(error))) == str(error)
 
 
+# ---------------------------------------------------------------------------- session kinds
+
+STARLETTE_SECRET = "s"  # Starlette's secret_key may be any length
+
+
+def sessions(*kinds: str) -> str:
+    return "sessions:\n" + "".join(f"  - {k}\n" for k in kinds)
+
+
+def test_nemo_gym_kinds_with_edge_verification() -> None:
+    text = f"""
+        sessions:
+          - name: episode
+            header: X-NeMo-Gym-Episode-Token
+          - name: resources
+            cookie:
+              name: {RESOURCES_COOKIE}
+              verify: {{secret_env: GYM_SECRET, max_age_s: 1209600}}
+            seed: {{method: post, path: /seed_session}}
+            close: {{method: POST, path: /close_session}}
+          - name: mcp_token
+            header: X-NeMo-Gym-Session-Token
+            token:
+              format: itsdangerous
+              field: sid
+              verify: {{secret_file: /secrets/gym, salt: nemo-gym-mcp-session-token}}
+            seed: {{method: POST, path: /seed_session, learn: {{json_pointer: {MCP_POINTER}}}}}
+          - name: mcp_session
+            mcp: {{}}
+            unclaimed: forward
+    """
+    config = parse(text, {"GYM_SECRET": STARLETTE_SECRET}, {"/secrets/gym": b"gym-key\n"})
+    seed = RouteConfig("POST", "/seed_session", LearnConfig(cookie=RESOURCES_COOKIE))
+    assert config.sessions == (
+        EPISODE,
+        SessionKindConfig(
+            "resources",
+            cookie=CookieSourceConfig(
+                RESOURCES_COOKIE, "starlette", "session_id", SignatureConfig(b"s", 1209600.0)
+            ),
+            seed=seed,
+            close=RouteConfig("POST", "/close_session"),
+        ),
+        SessionKindConfig(
+            "mcp_token",
+            "X-NeMo-Gym-Session-Token",
+            TokenFormatConfig(
+                "itsdangerous",
+                "sid",
+                None,
+                SignatureConfig(b"gym-key", None, "nemo-gym-mcp-session-token"),
+            ),
+            seed=RouteConfig("POST", "/seed_session", LearnConfig(json_pointer=MCP_POINTER)),
+        ),
+        SessionKindConfig("mcp_session", mcp=McpSourceConfig(), unclaimed="forward"),
+    )
+    assert [k.source for k in config.sessions] == ["header", "cookie", "header", "mcp"]
+    cookie = config.sessions[1].cookie
+    assert cookie is not None and cookie.signature is not None
+    assert type(cookie.signature.max_age_s) is float
+
+
+def test_every_source_form() -> None:
+    text = sessions(
+        "{name: raw_cookie, cookie: {name: sid, format: raw}}",
+        "{name: other_cookie, cookie: {name: s2, field: rollout}}",
+        "{name: mcp, mcp: {path: /v1/mcp, header: X-Mcp-Session}}",
+        "{name: short_body, body_field: session_id}",
+        "{name: escaped_body, body_field: 'a/b~c'}",
+        "{name: long_body, body_field: {pointer: /params/0/id, max_bytes: 16777216}}",
+        "{name: rollout_path, path: '/rollouts/{key}/stop'}",
+        "{name: key_first, path: '/{key}/events'}",
+        "{name: bare_token, header: X-Bare, token: {format: itsdangerous, field: sid}}",
+    )
+    kinds = parse(text).sessions
+    assert kinds == (
+        SessionKindConfig("raw_cookie", cookie=CookieSourceConfig("sid", "raw")),
+        SessionKindConfig("other_cookie", cookie=CookieSourceConfig("s2", "starlette", "rollout")),
+        SessionKindConfig("mcp", mcp=McpSourceConfig("/v1/mcp", "X-Mcp-Session")),
+        SessionKindConfig("short_body", body_field=BodyFieldConfig("/session_id", 65536)),
+        SessionKindConfig("escaped_body", body_field=BodyFieldConfig("/a~1b~0c")),
+        SessionKindConfig("long_body", body_field=BodyFieldConfig("/params/0/id", 16 << 20)),
+        SessionKindConfig("rollout_path", path=PathSourceConfig("/rollouts/{key}/stop")),
+        SessionKindConfig("key_first", path=PathSourceConfig("/{key}/events")),
+        SessionKindConfig("bare_token", "X-Bare", TokenFormatConfig("itsdangerous", "sid")),
+    )
+    assert [k.source for k in kinds] == [
+        *("cookie", "cookie", "mcp", "body_field", "body_field", "body_field"),
+        *("path", "path", "header"),
+    ]
+
+
+def test_seed_learn_defaults_are_filled_in() -> None:
+    text = sessions(
+        "{name: c, cookie: {name: sid}, seed: {method: POST, path: /seed}}",
+        "{name: h, header: X-Chat, token: {format: raw}, seed: {method: put, path: /chat}}",
+        "{name: j, header: X-Jws, seed: {method: POST, path: /seed}}",
+        "{name: b, body_field: id, seed: {method: POST, path: /seed, learn: {json_pointer: /id}}}",
+        "{name: p, path: '/r/{key}', seed: {method: POST, path: /r, learn: {header: X_Id}}}",
+        "{name: o, header: X-O, token: {format: raw}, "
+        "seed: {method: POST, path: /seed, learn: {cookie: other}}}",
+    )
+    seeds = [kind.seed for kind in parse(text).sessions]
+    assert seeds == [
+        RouteConfig("POST", "/seed", LearnConfig(cookie="sid")),
+        RouteConfig("PUT", "/chat", LearnConfig(header="X-Chat")),
+        RouteConfig("POST", "/seed", LearnConfig(header="X-Jws")),
+        RouteConfig("POST", "/seed", LearnConfig(json_pointer="/id")),
+        RouteConfig("POST", "/r", LearnConfig(header="X_Id")),
+        RouteConfig("POST", "/seed", LearnConfig(cookie="other")),
+    ]
+
+
+def test_close_routes_are_shared_and_any_kind_may_have_one() -> None:
+    text = sessions(
+        "{name: a, cookie: {name: a}, close: {method: POST, path: /close}}",
+        "{name: b, body_field: id, close: {method: post, path: /close}}",
+        "{name: m, mcp: {}, close: {method: DELETE, path: /sessions}}",
+    )
+    closes = [kind.close for kind in parse(text).sessions]
+    assert closes == [
+        RouteConfig("POST", "/close"),
+        RouteConfig("POST", "/close"),
+        RouteConfig("DELETE", "/sessions"),
+    ]
+    assert all(kind.seed is None for kind in parse(text).sessions)
+
+
+def test_the_example_file_commented_kinds_parse() -> None:
+    """The body_field and path kinds shown commented out in the example are valid as written."""
+    lines = EXAMPLE.read_text(encoding="utf-8").splitlines()
+    uncommented = [
+        "  " + line[4:] if line.startswith(("  # - ", "  #   ")) else line for line in lines
+    ]
+    config = parse_config("\n".join(uncommented), source=str(EXAMPLE))
+    by_name = {kind.name: kind for kind in config.sessions}
+    assert by_name["rollout"] == SessionKindConfig(
+        "rollout",
+        body_field=BodyFieldConfig("/session_id", 65536),
+        seed=RouteConfig("POST", "/rollouts", LearnConfig(json_pointer="/session_id")),
+    )
+    assert by_name["rollout_path"] == SessionKindConfig(
+        "rollout_path",
+        path=PathSourceConfig("/rollouts/{key}/stop"),
+        seed=RouteConfig("POST", "/rollouts", LearnConfig(header="X-Rollout-Id")),
+        close=RouteConfig("POST", "/rollouts/close"),
+    )
+    assert len(config.sessions) == 7
+
+
+def test_default_kind_keeps_its_old_shape() -> None:
+    kind = default_config().sessions[0]
+    assert kind == SessionKindConfig("episode", "X-NeMo-Gym-Episode-Token", TokenFormatConfig())
+    assert (kind.source, kind.cookie, kind.mcp, kind.body_field, kind.path) == (
+        "header",
+        None,
+        None,
+        None,
+        None,
+    )
+    assert (kind.seed, kind.close, kind.unclaimed) == (None, None, "reject")
+
+
 # ---------------------------------------------------------------------------- bad files
 
 
@@ -316,7 +501,6 @@ class Bad(NamedTuple):
 TOP_KEYS = (
     "listen, admin, control, workers, health, spawn, sessions, claims, state, limits, timeouts, log"
 )
-NOT_YET = "not supported in this version of episode-router (header token kinds only)"
 
 
 BAD: dict[str, Bad] = {
@@ -607,8 +791,13 @@ BAD: dict[str, Bad] = {
     ),
     # session kinds
     "empty sessions": Bad("sessions: []", "sessions", "needs at least one kind"),
-    "session without header": Bad(
-        "sessions: [{name: e}]", "sessions[0].header", "missing required key"
+    "session without a source": Bad(
+        "sessions: [{name: e}]",
+        "sessions[0]",
+        "needs a key source: one of header, cookie, mcp, body_field, path (`mcp: {}` for MCP",
+    ),
+    "session with a null source": Bad(
+        "sessions: [{name: e, mcp: null}]", "sessions[0]", "needs a key source"
     ),
     "session without name": Bad(
         "sessions: [{header: X-T}]", "sessions[0].name", "missing required key"
@@ -642,21 +831,356 @@ BAD: dict[str, Bad] = {
         "sessions[1].header",
         "header 'x-token' is also read by sessions[0]",
     ),
-    **{
-        f"unsupported session key {key}": Bad(
-            f"sessions: [{{name: e, header: X-T, {key}: {{}}}}]", f"sessions[0].{key}", NOT_YET
-        )
-        for key in ("cookie", "seed", "close", "mcp", "body_field", "path")
-    },
-    "itsdangerous format": Bad(kind("{format: itsdangerous}"), "sessions[0].token.format", NOT_YET),
+    # session sources
+    "two sources": Bad(
+        "sessions: [{name: e, header: X-T, cookie: {name: c}}]",
+        "sessions[0].cookie",
+        "a kind reads one key source; this one also has header",
+    ),
+    "mcp and body": Bad(
+        "sessions: [{name: e, mcp: {}, body_field: id}]",
+        "sessions[0].body_field",
+        "also has mcp",
+    ),
+    "token on a cookie kind": Bad(
+        "sessions: [{name: e, cookie: {name: c}, token: {format: raw}}]",
+        "sessions[0].token",
+        "only a header kind reads a token; this kind reads a cookie",
+    ),
+    "unknown kind key": Bad(
+        "sessions: [{name: e, header: X-T, learn: {}}]",
+        "sessions[0].learn",
+        "allowed keys: name, header, token, cookie, mcp, body_field, path, seed, close, unclaimed",
+    ),
+    # itsdangerous tokens
+    "itsdangerous without field": Bad(
+        kind("{format: itsdangerous}"), "sessions[0].token.field", "needs the payload field"
+    ),
+    "itsdangerous empty field": Bad(
+        kind("{format: itsdangerous, field: ''}"), "sessions[0].token.field", "non-empty string"
+    ),
+    "itsdangerous verify with alg": Bad(
+        kind("{format: itsdangerous, field: sid, verify: {alg: HS256, secret_env: S}}"),
+        VERIFY + ".alg",
+        "itsdangerous tokens are signed with HMAC-SHA1; alg is for jws tokens",
+    ),
+    "itsdangerous verify with max age": Bad(
+        kind("{format: itsdangerous, field: sid, verify: {secret_env: S, max_age_s: 5}}"),
+        VERIFY + ".max_age_s",
+        "carry no timestamp",
+    ),
+    "itsdangerous verify without secret": Bad(
+        kind("{format: itsdangerous, field: sid, verify: {salt: s}}"),
+        VERIFY,
+        "needs the server's secret key: secret_env or secret_file",
+    ),
+    "itsdangerous verify with two secrets": Bad(
+        kind("{format: itsdangerous, field: sid, verify: {secret_env: S, secret_file: f}}"),
+        VERIFY + ".secret_file",
+        "set only one of secret_env and secret_file",
+    ),
+    "itsdangerous inline secret": Bad(
+        kind("{format: itsdangerous, field: sid, verify: {secret: x}}"),
+        VERIFY + ".secret",
+        "inline secrets are not allowed",
+    ),
+    "itsdangerous unset secret": Bad(
+        kind("{format: itsdangerous, field: sid, verify: {secret_env: S}}"),
+        VERIFY + ".secret_env",
+        "environment variable S is not set or is empty",
+    ),
+    "itsdangerous empty secret file": Bad(
+        kind("{format: itsdangerous, field: sid, verify: {secret_file: k}}"),
+        VERIFY + ".secret_file",
+        "the secret must be at least 1 byte, got 0",
+        files={"k": b"\n"},
+    ),
+    "itsdangerous empty salt": Bad(
+        kind("{format: itsdangerous, field: sid, verify: {secret_env: S, salt: ''}}"),
+        VERIFY + ".salt",
+        "non-empty string",
+        {"S": "k"},
+    ),
+    # cookies
+    "cookie without name": Bad(
+        "sessions: [{name: e, cookie: {format: raw}}]",
+        "sessions[0].cookie.name",
+        "missing required key",
+    ),
+    "cookie name with a space": Bad(
+        "sessions: [{name: e, cookie: {name: 'a b'}}]",
+        "sessions[0].cookie.name",
+        "not a cookie name (1 to 128 RFC 6265 token characters): 'a b'",
+    ),
+    "cookie name with '='": Bad(
+        "sessions: [{name: e, cookie: {name: 'a=b'}}]", "sessions[0].cookie.name", "not a cookie"
+    ),
+    "cookie as a string": Bad(
+        "sessions: [{name: e, cookie: sid}]",
+        "sessions[0].cookie",
+        "expected a mapping, got a string ('sid')",
+    ),
+    "unknown cookie format": Bad(
+        "sessions: [{name: e, cookie: {name: c, format: flask}}]",
+        "sessions[0].cookie.format",
+        "must be one of starlette, raw; got 'flask'",
+    ),
+    "raw cookie with field": Bad(
+        "sessions: [{name: e, cookie: {name: c, format: raw, field: f}}]",
+        "sessions[0].cookie.field",
+        "a raw cookie's value is the key itself",
+    ),
+    "raw cookie with verify": Bad(
+        "sessions: [{name: e, cookie: {name: c, format: raw, verify: {secret_env: S}}}]",
+        "sessions[0].cookie.verify",
+        "a raw cookie's value is the key itself",
+    ),
+    "unknown cookie key": Bad(
+        "sessions: [{name: e, cookie: {name: c, path: /}}]",
+        "sessions[0].cookie.path",
+        "allowed keys: name, format, field, verify",
+    ),
+    "cookie verify with salt": Bad(
+        "sessions: [{name: e, cookie: {name: c, verify: {secret_env: S, salt: x}}}]",
+        "sessions[0].cookie.verify.salt",
+        "Starlette's SessionMiddleware signs with itsdangerous' default salt",
+    ),
+    "cookie verify zero max age": Bad(
+        "sessions: [{name: e, cookie: {name: c, verify: {secret_env: S, max_age_s: 0}}}]",
+        "sessions[0].cookie.verify.max_age_s",
+        "must be above 0",
+        {"S": "k"},
+    ),
+    "cookie verify without secret": Bad(
+        "sessions: [{name: e, cookie: {name: c, verify: {max_age_s: 10}}}]",
+        "sessions[0].cookie.verify",
+        "needs the server's secret key",
+    ),
+    "duplicate cookie names": Bad(
+        "sessions: [{name: a, cookie: {name: c}}, {name: b, cookie: {name: c, format: raw}}]",
+        "sessions[1].cookie.name",
+        "cookie 'c' is also read by sessions[0]",
+    ),
+    # MCP
+    "two mcp kinds": Bad(
+        "sessions: [{name: a, mcp: {}}, {name: b, mcp: {path: /other, header: X-Other}}]",
+        "sessions[1].mcp",
+        "only one kind may read MCP sessions: sessions[0] does",
+    ),
+    "mcp header read by a header kind": Bad(
+        "sessions: [{name: a, header: mcp-session-id, token: {format: raw}}, {name: b, mcp: {}}]",
+        "sessions[1].mcp.header",
+        "header 'Mcp-Session-Id' is also read by sessions[0]",
+    ),
+    "header kind reading the mcp header": Bad(
+        "sessions: [{name: a, mcp: {header: X-S}}, {name: b, header: X-S}]",
+        "sessions[1].header",
+        "header 'X-S' is also read by sessions[0]",
+    ),
+    "mcp path without slash": Bad(
+        "sessions: [{name: a, mcp: {path: mcp}}]", "sessions[0].mcp.path", "an exact path"
+    ),
+    "mcp path with query": Bad(
+        "sessions: [{name: a, mcp: {path: '/mcp?x=1'}}]", "sessions[0].mcp.path", "without ? or #"
+    ),
+    "mcp underscore header": Bad(
+        "sessions: [{name: a, mcp: {header: Mcp_Session}}]", "sessions[0].mcp.header", "with '_'"
+    ),
+    "mcp as true": Bad(
+        "sessions: [{name: a, mcp: true}]", "sessions[0].mcp", "expected a mapping, got a boolean"
+    ),
+    "mcp with a seed": Bad(
+        "sessions: [{name: a, mcp: {}, seed: {method: POST, path: /mcp}}]",
+        "sessions[0].seed",
+        "an mcp kind learns Mcp-Session-Id from every reply on its path; it has no seed",
+    ),
+    # body fields
+    "body field short form with a slash": Bad(
+        "sessions: [{name: a, body_field: /session_id}]",
+        "sessions[0].body_field",
+        "a field name; for a JSON pointer write {pointer: /session_id}",
+    ),
+    "body field bad pointer": Bad(
+        "sessions: [{name: a, body_field: {pointer: session_id}}]",
+        "sessions[0].body_field.pointer",
+        "not an RFC 6901 JSON pointer: a JSON pointer starts with '/'; got 'session_id'",
+    ),
+    "body field bad escape": Bad(
+        "sessions: [{name: a, body_field: {pointer: /a~2}}]",
+        "sessions[0].body_field.pointer",
+        "must be followed by 0 or 1",
+    ),
+    "body field without pointer": Bad(
+        "sessions: [{name: a, body_field: {max_bytes: 10}}]",
+        "sessions[0].body_field.pointer",
+        "missing required key",
+    ),
+    "body field zero bytes": Bad(
+        "sessions: [{name: a, body_field: {pointer: /id, max_bytes: 0}}]",
+        "sessions[0].body_field.max_bytes",
+        "must be between 1 and 16777216, got 0",
+    ),
+    "body field too many bytes": Bad(
+        "sessions: [{name: a, body_field: {pointer: /id, max_bytes: 16777217}}]",
+        "sessions[0].body_field.max_bytes",
+        "must be between 1 and 16777216",
+    ),
+    "body field as a number": Bad(
+        "sessions: [{name: a, body_field: 5}]",
+        "sessions[0].body_field",
+        "expected a mapping, got an integer (5)",
+    ),
+    "duplicate body fields": Bad(
+        "sessions: [{name: a, body_field: id}, {name: b, body_field: {pointer: /id}}]",
+        "sessions[1].body_field",
+        "body field '/id' is also read by sessions[0]",
+    ),
+    # paths
+    "path without key": Bad(
+        "sessions: [{name: a, path: /rollouts}]",
+        "sessions[0].path",
+        "a path pattern has exactly one {key} segment; got '/rollouts'",
+    ),
+    "path of only the key": Bad(
+        "sessions: [{name: a, path: '/{key}'}]", "sessions[0].path", "needs a literal segment"
+    ),
+    "path with a star": Bad(
+        "sessions: [{name: a, path: '/r/*/{key}'}]", "sessions[0].path", "'*' is not supported"
+    ),
+    "path with a partial key": Bad(
+        "sessions: [{name: a, path: '/r/id-{key}'}]", "sessions[0].path", "exactly one {key}"
+    ),
+    "path as a mapping": Bad(
+        "sessions: [{name: a, path: {pattern: '/r/{key}'}}]",
+        "sessions[0].path",
+        "expected a non-empty string, got a mapping",
+    ),
+    "duplicate paths": Bad(
+        "sessions: [{name: a, path: '/r/{key}'}, {name: b, path: '/r/{key}'}]",
+        "sessions[1].path",
+        "path '/r/{key}' is also read by sessions[0]",
+    ),
+    # seed and close routes
+    "body kind seed without learn": Bad(
+        "sessions: [{name: a, body_field: id, seed: {method: POST, path: /seed}}]",
+        "sessions[0].seed.learn",
+        "a body_field kind needs learn: {json_pointer, header or cookie} to find its key",
+    ),
+    "path kind seed without learn": Bad(
+        "sessions: [{name: a, path: '/r/{key}', seed: {method: POST, path: /r}}]",
+        "sessions[0].seed.learn",
+        "a path kind needs learn",
+    ),
+    "learn with two places": Bad(
+        "sessions: [{name: a, header: X-A, seed: {method: POST, path: /s, "
+        "learn: {header: X-B, cookie: c}}}]",
+        "sessions[0].seed.learn",
+        "needs exactly one of json_pointer, header, cookie; got header and cookie",
+    ),
+    "learn with no place": Bad(
+        "sessions: [{name: a, header: X-A, seed: {method: POST, path: /s, learn: {}}}]",
+        "sessions[0].seed.learn",
+        "got none",
+    ),
+    "learn from Set-Cookie as a header": Bad(
+        "sessions: [{name: a, header: X-A, seed: {method: POST, path: /s, "
+        "learn: {header: Set-Cookie}}}]",
+        "sessions[0].seed.learn.header",
+        "write learn: {cookie: NAME}",
+    ),
+    "learn from a framing header": Bad(
+        "sessions: [{name: a, header: X-A, seed: {method: POST, path: /s, "
+        "learn: {header: Transfer-Encoding}}}]",
+        "sessions[0].seed.learn.header",
+        "a framing header",
+    ),
+    "learn from a bad header": Bad(
+        "sessions: [{name: a, header: X-A, seed: {method: POST, path: /s, "
+        "learn: {header: 'X A'}}}]",
+        "sessions[0].seed.learn.header",
+        "not an HTTP header name",
+    ),
+    "learn from a bad cookie": Bad(
+        "sessions: [{name: a, header: X-A, seed: {method: POST, path: /s, "
+        "learn: {cookie: 'a;b'}}}]",
+        "sessions[0].seed.learn.cookie",
+        "not a cookie name",
+    ),
+    "learn a bad pointer": Bad(
+        "sessions: [{name: a, header: X-A, seed: {method: POST, path: /s, "
+        "learn: {json_pointer: mcp/headers}}}]",
+        "sessions[0].seed.learn.json_pointer",
+        "not an RFC 6901 JSON pointer",
+    ),
+    "unknown learn key": Bad(
+        "sessions: [{name: a, header: X-A, seed: {method: POST, path: /s, learn: {body: x}}}]",
+        "sessions[0].seed.learn.body",
+        "allowed keys: json_pointer, header, cookie",
+    ),
+    "seed without path": Bad(
+        "sessions: [{name: a, cookie: {name: c}, seed: {method: POST}}]",
+        "sessions[0].seed.path",
+        "missing required key",
+    ),
+    "seed without method": Bad(
+        "sessions: [{name: a, cookie: {name: c}, seed: {path: /s}}]",
+        "sessions[0].seed.method",
+        "missing required key",
+    ),
+    "seed bad method": Bad(
+        "sessions: [{name: a, cookie: {name: c}, seed: {method: 'PO ST', path: /s}}]",
+        "sessions[0].seed.method",
+        "not an HTTP method: 'PO ST'",
+    ),
+    "seed path with query": Bad(
+        "sessions: [{name: a, cookie: {name: c}, seed: {method: POST, path: '/s?x=1'}}]",
+        "sessions[0].seed.path",
+        "expected an exact path: /, then visible ASCII without ? or #; got '/s?x=1'",
+    ),
+    "seed path with a space": Bad(
+        "sessions: [{name: a, cookie: {name: c}, seed: {method: POST, path: '/a b'}}]",
+        "sessions[0].seed.path",
+        "expected an exact path",
+    ),
+    "seed as a string": Bad(
+        "sessions: [{name: a, cookie: {name: c}, seed: /seed_session}]",
+        "sessions[0].seed",
+        "expected a mapping, got a string",
+    ),
+    "close with learn": Bad(
+        "sessions: [{name: a, cookie: {name: c}, close: {method: POST, path: /c, "
+        "learn: {cookie: c}}}]",
+        "sessions[0].close.learn",
+        "a close route releases the claim on a 2xx reply; it learns nothing",
+    ),
+    "close is the seed": Bad(
+        "sessions: [{name: a, cookie: {name: c}, seed: {method: POST, path: /s}, "
+        "close: {method: post, path: /s}}]",
+        "sessions[0].close",
+        "POST /s is also this kind's seed route",
+    ),
+    "close is another kind's seed": Bad(
+        "sessions: [{name: a, cookie: {name: c}, seed: {method: POST, path: /s}}, "
+        "{name: b, cookie: {name: d}, close: {method: POST, path: /s}}]",
+        "sessions[1].close",
+        "POST /s is the seed route of sessions[0]",
+    ),
+    "seed is another kind's close": Bad(
+        "sessions: [{name: a, cookie: {name: c}, close: {method: POST, path: /s}}, "
+        "{name: b, cookie: {name: d}, seed: {method: POST, path: /s}}]",
+        "sessions[1].seed",
+        "POST /s is the close route of sessions[0]",
+    ),
     "token field": Bad(
-        kind("{field: sid}"), "sessions[0].token.field", "only the itsdangerous format"
+        kind("{field: sid}"),
+        "sessions[0].token.field",
+        "only the itsdangerous format reads a field",
     ),
     "unknown format": Bad(
-        kind("{format: jwt}"), "sessions[0].token.format", "must be one of jws, raw"
+        kind("{format: jwt}"), "sessions[0].token.format", "must be one of jws, raw, itsdangerous"
     ),
     "verify on raw": Bad(
-        kind("{format: raw, verify: {alg: HS256}}"), VERIFY, "only jws tokens carry a signature"
+        kind("{format: raw, verify: {alg: HS256}}"), VERIFY, "it carries no signature to verify"
     ),
     # verification keys
     "verify without alg": Bad(verify("secret_env: S"), f"{VERIFY}.alg", "missing required key"),
@@ -775,6 +1299,11 @@ def test_secret_values_never_appear_in_errors() -> None:
         ("admin: {token: " + secret + "}", None),
         ("admin: {host: 0.0.0.0, token_env: T}", {"T": secret + " with spaces"}),
         (verify("alg: EdDSA, secret_env: S"), {"S": secret}),
+        (
+            "sessions: [{name: c, cookie: {name: c, verify: {secret_env: S, alg: x}}}]",
+            {"S": secret},
+        ),
+        (kind("{format: itsdangerous, field: f, verify: {secret_env: S, salt: 1}}"), {"S": secret}),
     ]
     for text, env in cases:
         with pytest.raises(ConfigError) as info:

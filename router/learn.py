@@ -1,0 +1,143 @@
+"""Learning claims from replies, for workers that never speak on the control socket.
+
+A seed route's 2xx reply teaches the router the session it created (from
+Set-Cookie, a reply header, or a JSON pointer into a small body); a close
+route's 2xx reply ends one; every reply on the MCP path that carries
+`Mcp-Session-Id` teaches that session, and a 2xx answer to DELETE there ends
+it (DESIGN §4, §7).
+
+`plan_learning` decides, from the request alone, whether a reply needs
+watching at all, so requests that cannot teach anything (every episode-token
+call) pay nothing. `ReplyLearner` is the observer the forwarder shows the reply
+to; it changes the claim table through the core, before the client sees the
+reply. Pure: no I/O, `now` comes from the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from router.core import RouterCore
+from router.formats import FormatError, json_pointer, set_cookie_value
+from router.sessions import SessionKind, SessionReader, SessionRef, session_key
+from router.tokens import TokenError
+from router.workers import Worker
+
+log = logging.getLogger("episode_router.learn")
+
+MAX_LEARN_BODY_BYTES = 65536  # a seed reply larger than this is relayed without learning
+
+
+@dataclass(frozen=True, slots=True)
+class LearningPlan:
+    """What one request's reply may teach."""
+
+    seed: tuple[SessionKind, ...] = ()  # kinds whose seed route this request is
+    close: SessionRef | None = None  # the session a close route ends
+    mcp: SessionKind | None = None  # the MCP kind, when the request is on its path
+    mcp_release: str | None = None  # the Mcp-Session-Id a DELETE ends
+
+    def __bool__(self) -> bool:
+        return bool(self.seed or self.close or self.mcp)
+
+
+def plan_learning(
+    reader: SessionReader, method: str, path: str, found: SessionRef | None, seeding: frozenset[str]
+) -> LearningPlan:
+    """What to watch in the reply to `method path`, which named session `found`."""
+    seed = tuple(reader.by_name[name] for name in sorted(seeding))
+    close = None
+    if found is not None:
+        kind = reader.by_name[found.kind]
+        if kind.close is not None and kind.close.matches(method, path):
+            close = found
+    mcp = next((k for k in reader.kinds if k.mcp_path is not None and k.mcp_path == path), None)
+    mcp_release = None
+    if mcp is not None and method == "DELETE" and found is not None and found.kind == mcp.name:
+        mcp_release = found.key
+    return LearningPlan(seed, close, mcp, mcp_release)
+
+
+class ReplyLearner:
+    """Watches one reply and teaches the core what it says (a ReplyObserver)."""
+
+    __slots__ = ("_clock", "_core", "_pending", "_plan", "_wall_clock", "_worker")
+
+    def __init__(
+        self,
+        plan: LearningPlan,
+        core: RouterCore,
+        worker: Worker,
+        *,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float],
+    ) -> None:
+        self._plan = plan
+        self._core = core
+        self._worker = worker
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._pending: list[SessionKind] = []
+
+    def head(self, status: int, headers: Mapping[str, str], set_cookies: list[str]) -> int:
+        plan = self._plan
+        ok = 200 <= status < 300
+        if plan.mcp is not None:
+            self._learn_mcp(plan.mcp, headers, ok)
+        if not ok:
+            return 0
+        if plan.close is not None:
+            self._core.release_learned(self._worker, plan.close.kind, plan.close.key, self._clock())
+        for kind in plan.seed:
+            learn = kind.learn
+            if learn is None:
+                continue
+            if learn.json_pointer is not None:
+                self._pending.append(kind)
+            elif learn.cookie is not None:
+                cookie = set_cookie_value(set_cookies, learn.cookie, now=self._wall_clock())
+                self._learn(kind, cookie)
+            elif learn.header is not None:
+                self._learn(kind, headers.get(learn.header))
+        return MAX_LEARN_BODY_BYTES if self._pending else 0
+
+    def body(self, data: bytes) -> None:
+        try:
+            document = json.loads(data)
+        except (ValueError, RecursionError):
+            log.info("seed reply is not JSON: nothing learned", extra={"worker": self._worker.id})
+            return
+        for kind in self._pending:
+            assert kind.learn is not None and kind.learn.json_pointer is not None
+            try:
+                value = json_pointer(document, kind.learn.json_pointer)
+            except LookupError:
+                value = None
+            self._learn(kind, str(value) if isinstance(value, str | int) else None)
+
+    def _learn_mcp(self, kind: SessionKind, headers: Mapping[str, str], ok: bool) -> None:
+        plan = self._plan
+        if plan.mcp_release is not None and ok:
+            self._core.release_learned(self._worker, kind.name, plan.mcp_release, self._clock())
+            return
+        if ok and kind.header is not None and kind.header in headers:
+            self._learn(kind, headers[kind.header])
+
+    def _learn(self, kind: SessionKind, value: str | None) -> None:
+        if not value:
+            log.info(
+                "seed reply named no session", extra={"kind": kind.name, "worker": self._worker.id}
+            )
+            return
+        try:
+            key = session_key(kind, value, self._wall_clock())
+        except (TokenError, FormatError) as exc:
+            log.warning(
+                "seed reply's session is unreadable",
+                extra={"kind": kind.name, "worker": self._worker.id, "error": exc.code},
+            )
+            return
+        self._core.learn(self._worker, kind.name, key, self._clock())
