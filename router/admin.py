@@ -27,6 +27,7 @@ def admin_application(service: RouterService) -> web.Application:
     app[_SERVICE] = service
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/metrics", _metrics)
     app.router.add_get("/admin/workers", _workers)
     app.router.add_get("/admin/sessions/{kind}/{key}", _session)
     app.router.add_post("/admin/workers/{id}/drain", _drain)
@@ -60,6 +61,13 @@ def _is_loopback(host: str) -> bool:
 
 async def _healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body, content_type = request.app[_SERVICE].metrics.render(request.headers.get("Accept", ""))
+    # The content type carries a charset and a version, which aiohttp's `content_type=`
+    # refuses: pass it as a header.
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 async def _readyz(request: web.Request) -> web.Response:
@@ -124,14 +132,14 @@ async def _session(request: web.Request) -> web.Response:
 
 
 async def _set_drain(request: web.Request, on: bool) -> web.Response:
-    core = request.app[_SERVICE].core
+    service = request.app[_SERVICE]
+    core = service.core
     worker = core.workers.get(request.match_info["id"])
     if worker is None:
         return web.json_response({"error": "unknown_worker"}, status=404)
     core.set_draining(worker, on)
-    return web.json_response(
-        {"ok": True, "worker": worker_view(worker, core.claims.held_count(worker.id))}
-    )
+    view = worker_view(worker, core.claims.held_count(worker.id), service.worker_pid(worker.id))
+    return web.json_response({"ok": True, "worker": view})
 
 
 async def _drain(request: web.Request) -> web.Response:

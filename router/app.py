@@ -17,6 +17,7 @@ from router.answers import Answer, render
 from router.core import Forward, RouterCore
 from router.forward import Forwarder, Upstream, UpstreamFailure
 from router.learn import ReplyLearner, plan_learning
+from router.metrics import RouterMetrics
 from router.sessions import SessionReader, SessionRef
 from router.workers import Worker, WorkerState
 
@@ -53,6 +54,7 @@ class PublicHandler:
         *,
         check_worker: Callable[[Worker], Awaitable[bool]],
         max_body_bytes: int | None = None,
+        metrics: RouterMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -62,6 +64,7 @@ class PublicHandler:
         # Probes a worker whose forward failed and retires it if nothing listens.
         self._check_worker = check_worker
         self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
         self._clock = clock
         self._wall_clock = wall_clock
         self.shutting_down = False
@@ -72,18 +75,31 @@ class PublicHandler:
         return app
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        exchange = _Exchange(request)
+        response = await self._serve(exchange, started)
+        metrics = self.metrics
+        if metrics is not None:
+            elapsed = time.perf_counter() - started
+            metrics.request_done(exchange.kind, exchange.outcome, response.status, elapsed)
+        return response
+
+    async def _serve(self, exchange: _Exchange, started: float) -> web.StreamResponse:
+        request = exchange.request
         refusal = self._refuse_early(request)
         if refusal is not None:
-            return answer_response(refusal, request)
-        exchange = _Exchange(request)
+            return exchange.answer(refusal)
         found = await self._read_session(exchange)
         if isinstance(found, Answer):
-            return answer_response(found, request)
+            return exchange.answer(found)
         exchange.found = found
         kind, key = (found.kind, found.key) if found is not None else (None, None)
+        exchange.kind = kind
         decision = self.core.route(kind, key, self._clock())
+        if self.metrics is not None:
+            self.metrics.decision_seconds(time.perf_counter() - started)
         if isinstance(decision, Answer):
-            return answer_response(decision, request)
+            return exchange.answer(decision)
         return await self._forward(exchange, decision, sessionless=key is None)
 
     async def _read_session(self, exchange: _Exchange) -> SessionRef | Answer | None:
@@ -122,6 +138,8 @@ class PublicHandler:
             outcome = await self._forward_once(exchange, decision)
             if not isinstance(outcome, UpstreamFailure):
                 return outcome
+            if self.metrics is not None:
+                self.metrics.upstream_failure(worker.id, outcome.kind)
             gone = outcome.kind != "timeout" and await self._check_worker(worker)
             retriable = sessionless and outcome.kind == "refused" and not outcome.request_sent
             if retriable and len(tried) < MAX_SESSIONLESS_TRIES:
@@ -130,8 +148,8 @@ class PublicHandler:
                 if isinstance(retry, Forward):
                     decision = retry
                     continue
-                return answer_response(retry, request)
-            return answer_response(self._failure_answer(outcome, gone, decision), request)
+                return exchange.answer(retry)
+            return exchange.answer(self._failure_answer(outcome, gone, decision))
 
     async def _forward_once(
         self, exchange: _Exchange, decision: Forward
@@ -140,6 +158,8 @@ class PublicHandler:
         worker = decision.worker
         extra = {BOOT_HEADER: decision.boot} if decision.boot else {}
         worker.in_flight += 1
+        if self.metrics is not None:
+            self.metrics.in_flight(worker.id, 1)
         try:
             return await self.forwarder.forward(
                 request,
@@ -153,6 +173,8 @@ class PublicHandler:
             return failure
         finally:
             worker.in_flight -= 1
+            if self.metrics is not None:
+                self.metrics.in_flight(worker.id, -1)
 
     def _learner(self, exchange: _Exchange, worker: Worker) -> ReplyLearner | None:
         """A watcher for the reply when it may teach a claim (seed, close, MCP)."""
@@ -184,15 +206,22 @@ class PublicHandler:
 class _Exchange:
     """One request on its way through the handler, with what was learned of it."""
 
-    __slots__ = ("body", "found", "path", "request", "seeding")
+    __slots__ = ("body", "found", "kind", "outcome", "path", "request", "seeding")
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
+        self.kind: str | None = None  # the session kind it named, for metrics
+        self.outcome = "forwarded"  # or the code of the router's own answer
         # Routes are matched on the raw path, as the worker will read it.
         self.path = request.raw_path.partition("?")[0]
         self.seeding: frozenset[str] = frozenset()
         self.found: SessionRef | None = None
         self.body: bytes | None = None  # read only when a body kind needed it
+
+    def answer(self, answer: Answer) -> web.Response:
+        """The router's own answer to this request."""
+        self.outcome = answer.code
+        return answer_response(answer, self.request)
 
 
 def _small_json_body(request: web.Request, reader: SessionReader) -> bool:

@@ -289,7 +289,7 @@ class ControlSession:
         if not isinstance(on, bool):
             return error_reply(request.get("id"), "bad_request", "`on` must be a boolean.")
         assert self.worker is not None
-        self.core.set_draining(self.worker, on)
+        self.core.set_draining(self.worker, on, by_worker=True)
         return {"id": request.get("id"), "ok": True}
 
     def _bye(self, request: dict[str, Any], now: float) -> Reply:

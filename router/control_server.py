@@ -29,6 +29,7 @@ from router.control import (
     error_reply,
 )
 from router.core import RouterCore
+from router.metrics import RouterMetrics
 from router.workers import Worker
 
 log = logging.getLogger("episode_router.control")
@@ -101,13 +102,16 @@ class ControlServer:
         policy: ControlPolicy,
         *,
         on_lease_lost: Callable[[Worker], None],
+        metrics: RouterMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._metrics = metrics
         self.core = core
         self.policy = policy
         self._on_lease_lost = on_lease_lost
         self._clock = clock
         self._server: asyncio.Server | None = None
+        self._sock: socket.socket | None = None
         self._unix_path: str | None = None
         self._connections: dict[ControlSession, asyncio.Task[None]] = {}
         self._writers: dict[ControlSession, asyncio.StreamWriter] = {}
@@ -118,18 +122,37 @@ class ControlServer:
         return len(self._connections)
 
     async def start(self, address: str) -> None:
-        """Listen on `unix:/path` or `tcp://host:port`."""
+        """Listen on `unix:/path` or `tcp://host:port` and serve."""
+        self.bind(address)
+        await self.serve()
+
+    def bind(self, address: str) -> None:
+        """Take the address (`unix:/path` or `tcp://host:port`) without serving yet.
+
+        The bound socket is also the router's lock: a second router fails here,
+        before it touches anything else the live one uses (its journal).
+        Connections wait in the backlog until `serve`.
+        """
         if address.startswith("unix:"):
-            self._unix_path = address[len("unix:") :]
-            sock = bind_unix(self._unix_path)
-            self._server = await asyncio.start_unix_server(
-                self._serve, sock=sock, limit=MAX_LINE_BYTES + 1
-            )
+            path = address[len("unix:") :]
+            self._sock = bind_unix(path)
+            self._unix_path = path  # only once it is ours: close() removes it
         else:
             host, _, port = address[len("tcp://") :].rpartition(":")
-            self._server = await asyncio.start_server(
-                self._serve, host.strip("[]"), int(port), limit=MAX_LINE_BYTES + 1
+            self._sock = socket.create_server((host.strip("[]"), int(port)), backlog=1024)
+            self._sock.setblocking(False)
+
+    async def serve(self) -> None:
+        assert self._sock is not None, "bind() first"
+        # readuntil accepts a separator found at index == limit: a limit of one less
+        # than the maximum line (newline included) keeps lines at 1 MiB at most.
+        limit = MAX_LINE_BYTES - 1
+        if self._unix_path is not None:
+            self._server = await asyncio.start_unix_server(
+                self._serve, sock=self._sock, limit=limit
             )
+        else:
+            self._server = await asyncio.start_server(self._serve, sock=self._sock, limit=limit)
 
     @property
     def tcp_port(self) -> int | None:
@@ -150,6 +173,8 @@ class ControlServer:
         self._closing = True
         if self._server is not None:
             self._server.close()
+        elif self._sock is not None:
+            self._sock.close()  # bound but never served
         for writer in list(self._writers.values()):
             writer.close()
         # Closed transports end each connection's read loop on its own; cancel
@@ -186,6 +211,16 @@ class ControlServer:
                 log.info("worker lease lost", extra={"worker": worker.id})
                 self._on_lease_lost(worker)
 
+    def _count(self, request: dict[str, object], reply: dict[str, object]) -> None:
+        assert self._metrics is not None
+        op = request.get("op") if "ok" not in request else None
+        result = "ok" if reply.get("ok") else str(reply.get("error"))
+        self._metrics.control_op(op if isinstance(op, str) else "invalid", result)
+        if result == "conflict":
+            self._metrics.claim_conflict()
+        if op == "hello" and result == "ok":
+            self._metrics.worker_transition("live")
+
     async def _read_lines(
         self, session: ControlSession, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
@@ -204,6 +239,8 @@ class ControlServer:
             request = decode_line(line)
             # decode_line returns the error reply itself (it has "ok") for a bad line.
             reply = request if "ok" in request else session.handle(request, self._clock())
+            if self._metrics is not None:
+                self._count(request, reply)
             writer.write(encode(reply))
             # drain() only waits while more than WRITE_BUFFER_HIGH is unsent: that is
             # the backpressure of DESIGN §3, and it costs nothing otherwise.

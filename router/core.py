@@ -218,6 +218,8 @@ class RouterCore:
             if worker.state is not WorkerState.EXITED:
                 self.retire(worker, now)
             worker.generation += 1
+            if worker.drained_by_worker:
+                worker.draining = worker.drained_by_worker = False
         worker.url, worker.boot, worker.origin = url, boot, origin
         worker.state = WorkerState.LIVE
         worker.lost_since = None
@@ -229,9 +231,11 @@ class RouterCore:
         if worker.origin is not WorkerOrigin.STATIC:
             self.journal.worker(worker)
 
-    def set_draining(self, worker: Worker, on: bool) -> None:
-        """No new sessions for `worker` while on; its episodes go on."""
+    def set_draining(self, worker: Worker, on: bool, *, by_worker: bool = False) -> None:
+        """No new sessions for `worker` while on; its episodes go on. `by_worker`:
+        the worker asked (over the control socket), not an operator."""
         worker.draining = on
+        worker.drained_by_worker = on and by_worker
         self.journal.drain(worker)
 
     def retire(self, worker: Worker, now: float) -> int:

@@ -28,6 +28,7 @@ from router.core import CoreSettings, RouterCore
 from router.forward import Forwarder, ForwardTimeouts
 from router.health import HealthProber, probe_connect
 from router.journal import JournalFile, replay
+from router.metrics import RouterMetrics
 from router.sessions import SessionKind, SessionReader, kind_from_config
 from router.spawn import SpawnedWorker, Spawner, SpawnSpec
 from router.workers import Worker, WorkerOrigin, WorkerState
@@ -70,8 +71,9 @@ class RouterService:
                 stream_idle_s=config.timeouts.stream_idle_s,
             )
         )
+        self.metrics = self._build_metrics()
         self.control = ControlServer(
-            self.core, self._control_policy(), on_lease_lost=self._lease_lost
+            self.core, self._control_policy(), on_lease_lost=self._lease_lost, metrics=self.metrics
         )
         self.handler = PublicHandler(
             self.core,
@@ -79,6 +81,7 @@ class RouterService:
             self.forwarder,
             check_worker=self.check_worker,
             max_body_bytes=config.limits.max_body_bytes,
+            metrics=self.metrics,
         )
         self.prober = HealthProber(
             self.core,
@@ -95,6 +98,23 @@ class RouterService:
         self.public_port = 0
         self.admin_port = 0
 
+    def _build_metrics(self) -> RouterMetrics:
+        core = self.core
+
+        def recovery_remaining() -> float | None:
+            now = self._clock()
+            return core.recovery_remaining(now) if core.recovering(now) else None
+
+        return RouterMetrics(
+            claims_by_worker_kind=core.claims.held_counts_by_kind,
+            tombstones=lambda: core.claims.tombstone_count,
+            workers=lambda: ((w.id, w.state.value, w.draining) for w in core.workers),
+            control_connections=lambda: self.control.connection_count,
+            recovery_remaining=recovery_remaining,
+            journal_write_errors=lambda: self.journal.write_errors if self.journal else 0,
+            kinds=[kind.name for kind in self.config.sessions],
+        )
+
     def _control_policy(self) -> ControlPolicy:
         control = self.config.control
         return ControlPolicy(
@@ -109,9 +129,10 @@ class RouterService:
 
     async def start(self) -> None:
         config = self.config
+        self.control.bind(config.control.socket)  # first: it fails if another router runs
         if config.state.path is not None:
-            self._open_journal(config.state.path)
-        await self.control.start(config.control.socket)
+            self._open_journal(config.state.path)  # before any hello can arrive
+        await self.control.serve()
         now = self._clock()
         for static in config.workers:
             self.core.register(static.id, static.url, WorkerOrigin.STATIC, now)
@@ -239,6 +260,7 @@ class RouterService:
             result = self.core.tick(self._clock(), leased)
             for worker in result.lost:
                 log.warning("worker lease silent", extra={"worker": worker.id})
+                self.metrics.worker_transition("lost")
                 self.control.close_lease(worker)
             if result.recovery_ended:
                 log.info("recovery window ended")
@@ -246,12 +268,14 @@ class RouterService:
 
     def _retired(self, worker: Worker) -> None:
         log.warning("worker exited", extra={"worker": worker.id})
+        self.metrics.worker_transition("exited")
         self.control.close_lease(worker)
         self.forwarder.forget(worker.id)
 
     def _lease_lost(self, worker: Worker) -> None:
         """Its control connection closed: if its address refuses connections too,
         it is gone now; otherwise it is lost until the grace ends."""
+        self.metrics.worker_transition("lost")
         self._spawn_task(self.check_worker(worker), f"check-{worker.id}")
 
     def _spawned_exited(self, spawned: SpawnedWorker, returncode: int | None) -> None:

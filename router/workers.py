@@ -38,6 +38,7 @@ class Worker:
 
     __slots__ = (
         "boot",
+        "drained_by_worker",
         "draining",
         "generation",
         "id",
@@ -59,6 +60,9 @@ class Worker:
         self.boot = boot
         self.state = WorkerState.LIVE
         self.draining = False
+        # Set when the worker itself asked to drain: its process's wish, which a
+        # new process (a new boot) does not inherit. An operator's drain stays.
+        self.drained_by_worker = False
         self.generation = 0
         self.in_flight = 0
         self.last_heard = now

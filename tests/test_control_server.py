@@ -1,0 +1,394 @@
+"""The control socket's I/O (DESIGN §3) on a real Unix socket under tmp_path and on loopback TCP.
+
+Each test runs a `ControlServer` over its own `RouterCore` and `ControlPolicy`,
+so who may say hello can be changed freely, and talks to it with `RawLease`
+or with bare stream sockets where the framing is the point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import stat
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from router_fixtures import MiB, RawLease, wait_until
+
+from router.control import ControlPolicy
+from router.control_server import ControlServer, ControlSocketInUse
+from router.core import CoreSettings, RouterCore
+from router.workers import Worker
+
+pytestmark = pytest.mark.timeout(30)
+
+URL = "http://127.0.0.1:9001"
+SECRET = "s3cret-s3cret-s3cret"
+
+
+def _policy(
+    *,
+    own_uid: int | None = None,
+    allowed_uids: frozenset[int] = frozenset(),
+    secret: str | None = None,
+) -> ControlPolicy:
+    return ControlPolicy(
+        own_uid=os.getuid() if own_uid is None else own_uid,
+        allowed_uids=allowed_uids,
+        allowed_upstreams=frozenset(),
+        secret=secret,
+        router_boot="router-boot-1",
+    )
+
+
+@dataclass
+class Served:
+    core: RouterCore
+    server: ControlServer
+    address: str
+    lost: list[Worker] = field(default_factory=list)
+
+
+@asynccontextmanager
+async def served(address: str, policy: ControlPolicy | None = None) -> AsyncIterator[Served]:
+    """A control server for a fresh core on `address` (`tcp://…:0` picks a port)."""
+    core = RouterCore(CoreSettings(kinds={"episode": False}), time.monotonic())
+    lost: list[Worker] = []
+    server = ControlServer(core, policy or _policy(), on_lease_lost=lost.append)
+    await server.start(address)
+    if address.startswith("tcp://"):
+        address = f"tcp://127.0.0.1:{server.tcp_port}"
+    try:
+        yield Served(core, server, address, lost)
+    finally:
+        await server.close()
+
+
+def _no_connections(control: Served) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return control.server.connection_count == 0
+
+    return check
+
+
+def _unix(tmp_path: Path) -> str:
+    return f"unix:{tmp_path}/control.sock"
+
+
+async def _hello(lease: RawLease, worker: str = "w0", **fields: object) -> dict[str, object]:
+    return await lease.hello(worker, URL, "boot-1", **fields)
+
+
+# --- the socket file ----------------------------------------------------------------------
+
+
+async def test_the_socket_is_mode_0660_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        async with served(_unix(tmp_path)):
+            mode = os.stat(tmp_path / "control.sock").st_mode
+    finally:
+        os.umask(old)
+    assert stat.S_ISSOCK(mode)
+    assert stat.S_IMODE(mode) == 0o660
+
+
+async def test_a_stale_socket_file_is_replaced(tmp_path: Path) -> None:
+    path = tmp_path / "control.sock"
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(path))
+    dead.close()  # a router that died: the file stays, nothing listens
+    assert stat.S_ISSOCK(os.stat(path).st_mode)
+
+    async with served(_unix(tmp_path)) as control:
+        lease = await RawLease.open(control.address)
+        assert (await _hello(lease))["ok"] is True
+        lease.abort()
+
+
+async def test_a_live_socket_is_never_stolen(tmp_path: Path) -> None:
+    async with served(_unix(tmp_path)) as first:
+        second = ControlServer(
+            RouterCore(CoreSettings(kinds={"episode": False}), time.monotonic()),
+            _policy(),
+            on_lease_lost=lambda worker: None,
+        )
+        with pytest.raises(ControlSocketInUse):
+            await second.start(first.address)
+
+        lease = await RawLease.open(first.address)  # the first one still serves
+        assert (await _hello(lease))["ok"] is True
+        lease.abort()
+
+
+async def test_closing_a_server_whose_start_failed_leaves_the_live_socket_alone(
+    tmp_path: Path,
+) -> None:
+    async with served(_unix(tmp_path)) as first:
+        second = ControlServer(
+            RouterCore(CoreSettings(kinds={"episode": False}), time.monotonic()),
+            _policy(),
+            on_lease_lost=lambda worker: None,
+        )
+        with pytest.raises(ControlSocketInUse):
+            await second.start(first.address)
+        await second.close()  # e.g. a caller's `finally: await service.stop()`
+
+        assert (tmp_path / "control.sock").exists()
+
+
+async def test_a_regular_file_at_the_path_is_refused_and_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "control.sock"
+    path.write_text("not a socket")
+    server = ControlServer(
+        RouterCore(CoreSettings(kinds={"episode": False}), time.monotonic()),
+        _policy(),
+        on_lease_lost=lambda worker: None,
+    )
+    with pytest.raises(ControlSocketInUse):
+        await server.start(_unix(tmp_path))
+    assert path.read_text() == "not a socket"
+
+
+async def test_close_removes_the_socket_file_and_ends_every_connection(tmp_path: Path) -> None:
+    async with served(_unix(tmp_path)) as control:
+        lease = await RawLease.open(control.address)
+        assert (await _hello(lease))["ok"] is True
+        await control.server.close()
+        assert not (tmp_path / "control.sock").exists()
+        assert await lease.closed_by_peer()
+        assert control.lost == []  # shutting down is not a lost lease
+        assert control.server.connection_count == 0
+
+
+# --- lines --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "echoed_id"),
+    [
+        (b"not json\n", None),
+        (b"[1, 2]\n", None),
+        (b'{"op": "ping", "id": true}\n', None),
+        (b'{"op": "ping", "id": 1.5}\n', None),
+        (b'{"op": 5, "id": 3}\n', 3),
+        (b'{"id": "x"}\n', "x"),
+        (b'{"op": "ping", "id": 4, "ok": true}\n', 4),
+        (b'\xff\xfe{"op": "ping"}\n', None),
+    ],
+)
+async def test_a_malformed_line_is_bad_request_and_the_connection_stays(
+    tmp_path: Path, line: bytes, echoed_id: object
+) -> None:
+    async with served(_unix(tmp_path)) as control:
+        lease = await RawLease.open(control.address)
+        lease.writer.write(line)
+        reply = await lease.read_reply()
+        assert set(reply) == {"id", "ok", "error", "detail"}
+        assert (reply["id"], reply["ok"], reply["error"]) == (echoed_id, False, "bad_request")
+        assert (await _hello(lease))["ok"] is True
+        lease.abort()
+
+
+async def test_an_unknown_op_is_unknown_op_and_the_connection_stays(tmp_path: Path) -> None:
+    async with served(_unix(tmp_path)) as control:
+        lease = await RawLease.open(control.address)
+        reply = await lease.call("dance")
+        assert (reply["ok"], reply["error"]) == (False, "unknown_op")
+        assert isinstance(reply["detail"], str)
+        assert (await _hello(lease))["ok"] is True
+        lease.abort()
+
+
+async def test_ids_are_echoed_whatever_their_type(tmp_path: Path) -> None:
+    async with served(_unix(tmp_path)) as control:
+        lease = await RawLease.open(control.address)
+        for request_id in ("abc", 0, -7, 2**62, "", None):
+            lease.send_line({"op": "ping", "id": request_id})
+            reply = await lease.read_reply()
+            assert reply["id"] == request_id
+            assert reply["error"] == "no_hello"  # nothing but hello before a hello
+        lease.send_line({"op": "hello", "v": 1, "worker": "w0", "url": URL, "boot": "b"})
+        assert await lease.read_reply() == {"id": None, "ok": True, "router": "router-boot-1"}
+        lease.abort()
+
+
+async def test_blank_lines_are_skipped(tmp_path: Path) -> None:
+    async with served(_unix(tmp_path)) as control:
+        lease = await RawLease.open(control.address)
+        lease.writer.write(b"\n  \n\r\n")
+        assert (await lease.call("ping"))["error"] == "no_hello"  # the first reply is this
+        lease.abort()
+
+
+async def test_a_thousand_pipelined_claims_are_answered_in_order(tmp_path: Path) -> None:
+    async with served(_unix(tmp_path)) as control:
+        lease = await RawLease.open(control.address)
+        assert (await _hello(lease))["ok"] is True
+        lines = (
+            json.dumps({"op": "claim", "id": i, "key": f"ep{i}-a0"}) + "\n" for i in range(1000)
+        )
+        lease.writer.write("".join(lines).encode())
+
+        replies = [await lease.read_reply() for _ in range(1000)]
+
+        assert replies == [{"id": i, "ok": True} for i in range(1000)]
+        assert control.core.claims.held_count("w0") == 1000
+        lease.abort()
+
+
+def _padded_ping(total: int) -> bytes:
+    """A ping line of exactly `total` bytes, its newline included."""
+    empty = b'{"op":"ping","id":1,"pad":""}\n'
+    line = empty[:-3] + b"x" * (total - len(empty)) + empty[-3:]
+    assert len(line) == total
+    return line
+
+
+async def test_a_line_of_1_mib_is_read(tmp_path: Path) -> None:
+    async with served(_unix(tmp_path)) as control:
+        lease = await RawLease.open(control.address)
+        lease.writer.write(_padded_ping(MiB))
+        assert await lease.read_reply() == {
+            "id": 1,
+            "ok": False,
+            "error": "no_hello",
+            "detail": "Say hello first.",
+        }
+        lease.abort()
+
+
+async def _send_ignoring_reset(lease: RawLease, data: bytes) -> None:
+    try:
+        lease.writer.write(data)
+        await lease.writer.drain()
+    except ConnectionError:
+        pass  # the router closed the connection while we were still writing
+
+
+async def test_a_line_over_1_mib_closes_the_connection(tmp_path: Path) -> None:
+    async with served(_unix(tmp_path)) as control:
+        lease = await RawLease.open(control.address)
+        assert (await _hello(lease))["ok"] is True
+        await _send_ignoring_reset(lease, _padded_ping(MiB + 4096))
+
+        assert await lease.closed_by_peer()
+        assert control.server.connection_count == 0
+        assert [w.id for w in control.lost] == ["w0"]  # its lease went with it
+
+
+async def test_a_line_one_byte_over_1_mib_closes_the_connection(tmp_path: Path) -> None:
+    async with served(_unix(tmp_path)) as control:
+        lease = await RawLease.open(control.address)
+        await _send_ignoring_reset(lease, _padded_ping(MiB + 1))
+        assert await lease.closed_by_peer(timeout_s=1.0)
+
+
+async def test_the_router_stops_reading_a_peer_that_does_not_read_its_replies(
+    tmp_path: Path,
+) -> None:
+    async with served(_unix(tmp_path)) as control:
+        lease = await RawLease.open(control.address)
+        pad = "x" * 10_000  # ids are echoed: each reply is about as long as its request
+        batch = b"".join(b'{"op":"ping","id":"%d%s"}\n' % (i, pad.encode()) for i in range(10))
+        sent = 0
+        for _ in range(2000):  # bounded: at most 200 MB
+            lease.writer.write(batch)
+            sent += 10
+            try:
+                await asyncio.wait_for(lease.writer.drain(), 0.3)
+            except TimeoutError:
+                break  # the router stopped reading: its unsent replies are over the bound
+        else:
+            pytest.fail("the router kept reading a peer that never read its replies")
+        assert sent * len(pad) >= MiB  # it held at least 1 MiB of replies before stopping
+
+        for i in range(sent):  # reading the replies lets it go on, in order, none lost
+            reply = await lease.read_reply()
+            assert (reply["id"], reply["error"]) == (f"{i % 10}{pad}", "no_hello")
+        lease.abort()
+
+
+# --- who may say hello ----------------------------------------------------------------------
+
+
+async def test_a_peer_uid_that_is_not_allowed_is_forbidden(tmp_path: Path) -> None:
+    other_uid = os.getuid() + 4242
+    async with served(_unix(tmp_path), _policy(own_uid=other_uid)) as control:
+        lease = await RawLease.open(control.address)
+        reply = await _hello(lease)
+        assert (reply["ok"], reply["error"]) == (False, "forbidden")
+        assert (await lease.call("claim", key="k"))["error"] == "no_hello"
+        assert len(control.core.workers) == 0
+        lease.abort()
+
+
+async def test_a_peer_uid_listed_in_allowed_uids_may_say_hello(tmp_path: Path) -> None:
+    policy = _policy(own_uid=os.getuid() + 4242, allowed_uids=frozenset({os.getuid()}))
+    async with served(_unix(tmp_path), policy) as control:
+        lease = await RawLease.open(control.address)
+        assert (await _hello(lease))["ok"] is True
+        assert (await lease.call("claim", key="k"))["ok"] is True
+        lease.abort()
+
+
+async def test_tcp_control_needs_the_shared_secret(tmp_path: Path) -> None:
+    async with served("tcp://127.0.0.1:0", _policy(secret=SECRET)) as control:
+        assert control.server.tcp_port
+        for auth in (None, "wrong", SECRET.upper(), 7):
+            lease = await RawLease.open(control.address)
+            reply = await (_hello(lease) if auth is None else _hello(lease, auth=auth))
+            assert (reply["ok"], reply["error"]) == (False, "forbidden"), auth
+            lease.abort()
+        lease = await RawLease.open(control.address)
+        assert (await _hello(lease, auth=SECRET)) == {
+            "id": 1,
+            "ok": True,
+            "router": "router-boot-1",
+        }
+        assert (await lease.call("claim", key="ep-a0"))["ok"] is True
+        assert control.core.claims.held_count("w0") == 1
+        lease.abort()
+
+
+async def test_tcp_control_without_a_configured_secret_forbids_everyone(tmp_path: Path) -> None:
+    async with served("tcp://127.0.0.1:0") as control:
+        lease = await RawLease.open(control.address)
+        assert (await _hello(lease, auth=""))["error"] == "forbidden"
+        lease.abort()
+
+
+# --- leases ---------------------------------------------------------------------------------
+
+
+async def test_a_lease_closed_without_bye_is_reported_lost(tmp_path: Path) -> None:
+    async with served(_unix(tmp_path)) as control:
+        idle = await RawLease.open(control.address)  # no hello: no lease to lose
+        idle.abort()
+        lease = await RawLease.open(control.address)
+        assert (await _hello(lease))["ok"] is True
+        lease.abort()
+
+        await wait_until(_no_connections(control), "the connection to end")
+        assert [(w.id, w.state.value) for w in control.lost] == [("w0", "lost")]
+
+
+async def test_bye_retires_the_worker_and_is_not_a_lost_lease(tmp_path: Path) -> None:
+    async with served(_unix(tmp_path)) as control:
+        lease = await RawLease.open(control.address)
+        assert (await _hello(lease))["ok"] is True
+        assert (await lease.call("claim", key="ep-a0"))["ok"] is True
+        assert await lease.call("bye") == {"id": 3, "ok": True}
+        worker = control.core.workers.get("w0")
+        assert worker is not None and worker.state.value == "exited"
+        assert (await lease.call("claim", key="ep-a1"))["error"] == "no_hello"
+        lease.abort()
+
+        await wait_until(_no_connections(control), "the connection to end")
+        assert control.lost == []

@@ -1,0 +1,386 @@
+"""RouterService: start and stop (SIGTERM semantics), and the lease rules it wires together
+(DESIGN §3 "Leases, exits and in-flight requests"), on real sockets.
+
+Leases are `RawLease`s, so each test decides exactly when a worker speaks, goes
+silent or breaks off; the worker's HTTP side stays up unless the test closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from router_fixtures import (
+    BOOT_HEADER,
+    EchoWorker,
+    RawHttp,
+    RawLease,
+    Rig,
+    open_rig,
+    router_config,
+    token,
+    wait_until,
+)
+
+from router.config import StateConfig
+from router.control_server import ControlSocketInUse
+from router.service import RouterService
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
+    async with open_rig(tmp_path) as rig:
+        yield rig
+
+
+async def _refuses(port: int) -> bool:
+    """True when nothing listens on `port` (a reset means it was closing: not yet)."""
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+    except ConnectionRefusedError:
+        return True
+    except ConnectionResetError:
+        return False
+    writer.close()
+    return False
+
+
+# --- start and stop -----------------------------------------------------------------------
+
+
+async def test_start_opens_every_listener_and_stop_closes_them(rig: Rig, tmp_path: Path) -> None:
+    router = await rig.start_router()
+    socket_path = tmp_path / "c.sock"
+    assert router.public_port > 0 and router.admin_port > 0
+    assert router.public_port != router.admin_port
+    assert stat.S_ISSOCK(os.stat(socket_path).st_mode)
+    assert (await rig.admin("GET", "/healthz")).status == 200
+    public, admin = router.public_port, router.admin_port
+
+    await rig.stop_router()
+
+    assert not socket_path.exists()
+    assert await _refuses(public)
+    assert await _refuses(admin)
+
+
+async def test_stop_lets_an_in_flight_request_finish_and_refuses_new_connections(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await rig.start_router()
+    worker = await rig.add_worker("w0")
+    await worker.claim("ep-a0")
+    in_flight = asyncio.create_task(rig.request("POST", "/slow", episode=token("ep"), data=b"x"))
+
+    async def parked() -> bool:
+        return worker.parked == 1
+
+    await wait_until(parked, "the slow request to reach the worker")
+    stopping = asyncio.create_task(rig.stop_router())
+    port = router.public_port
+
+    async def refused() -> bool:
+        return await _refuses(port)
+
+    await wait_until(refused, "the public port to stop accepting")
+    assert not stopping.done()  # it waits for the request in flight
+    assert not in_flight.done()
+
+    worker.release.set()
+    reply = await asyncio.wait_for(in_flight, 5)
+    await asyncio.wait_for(stopping, 5)
+
+    assert reply.status == 200 and reply.worker == "w0"
+    assert not (tmp_path / "c.sock").exists()
+
+
+async def test_a_request_pipelined_during_shutdown_never_reaches_a_worker(
+    rig: Rig,
+) -> None:
+    router = await rig.start_router()
+    worker = await rig.add_worker("w0")
+    await worker.claim("ep-a0")
+    conn = await RawHttp.open(router.public_port)
+    ep = token("ep")
+    request = f"POST /slow HTTP/1.1\r\nHost: x\r\nX-NeMo-Gym-Episode-Token: {ep}\r\n"
+    try:
+        conn.send((request + "Content-Length: 0\r\n\r\n").encode())
+
+        async def parked() -> bool:
+            return worker.parked == 1
+
+        await wait_until(parked, "the slow request to reach the worker")
+        stopping = asyncio.create_task(rig.stop_router())
+        await asyncio.sleep(0)  # stop() has begun: the handler is shutting down
+        conn.send(b"GET /late HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        worker.release.set()
+        status, _, _ = await conn.read_reply()
+        assert status == 200
+        rest = await conn.read_to_end()
+        await asyncio.wait_for(stopping, 5)
+    finally:
+        conn.close()
+    # The connection ends after the reply in flight; the late request is never read.
+    assert rest == b""
+    assert worker.paths_seen() == ["/slow"]
+
+
+async def test_a_restarted_router_answers_recovering_until_its_journaled_worker_syncs(
+    rig: Rig, tmp_path: Path
+) -> None:
+    config = router_config(
+        tmp_path, recovery_window_s=30.0, state=StateConfig(path=str(tmp_path / "journal"))
+    )
+    await rig.start_router(config)
+    worker = await rig.add_worker("w0", lease="raw")
+    await worker.claim("ep-a0")
+    await worker.claim("done-a0")
+    await worker.release_key("done-a0")
+    await rig.stop_router()
+
+    await rig.start_router(config)  # the worker has not reconnected yet
+
+    (await rig.request("GET", "/", episode=token("unknown"))).assert_answer(
+        503, "recovering", "unknown-a0"
+    )
+    (await rig.request("GET", "/", episode=token("done"))).assert_answer(
+        410, "episode_ended", "done-a0"
+    )
+    view = (await rig.worker_views())["w0"]
+    assert (view["state"], view["origin"], view["claims"]) == ("lost", "journal", 1)
+    reply = await rig.request("GET", "/journaled", episode=token("ep"))
+    assert reply.worker == "w0" and reply.seen_headers(BOOT_HEADER) == [worker.boot]
+
+    lease = await RawLease.open(rig.control_address)
+    worker.lease = lease
+    assert (await lease.hello("w0", worker.url, worker.boot))["ok"] is True
+    synced = await lease.call("sync", claims=[{"kind": "episode", "key": "ep-a0"}], more=False)
+    assert (synced["accepted"], synced["refused"]) == (1, [])
+
+    readiness = (await rig.admin("GET", "/readyz")).json()
+    assert (readiness["recovering"], readiness["live_workers"]) == (False, 1)
+    (await rig.request("GET", "/", episode=token("unknown"))).assert_answer(
+        401, "unknown_episode", "unknown-a0"
+    )
+    assert (await rig.request("GET", "/", episode=token("ep"))).worker == "w0"
+
+
+async def test_a_journaled_worker_that_never_comes_back_exits_when_recovery_ends(
+    rig: Rig, tmp_path: Path
+) -> None:
+    config = router_config(
+        tmp_path, recovery_window_s=0.5, state=StateConfig(path=str(tmp_path / "journal"))
+    )
+    await rig.start_router(config)
+    worker = await rig.add_worker("w0", lease="raw")
+    await worker.claim("ep-a0")
+    await rig.stop_router()
+    restarted_at = time.monotonic()
+    await rig.start_router(config)
+
+    await rig.wait_worker_state("w0", "exited")
+
+    # The window, not a probe (its HTTP side still listens), retired it.
+    assert time.monotonic() - restarted_at >= 0.5
+    (await rig.request("GET", "/", episode=token("ep"))).assert_answer(
+        410, "worker_exited", "ep-a0"
+    )
+    (await rig.request("GET", "/", episode=token("unknown"))).assert_answer(
+        401, "unknown_episode", "unknown-a0"
+    )
+
+
+async def test_a_second_router_that_cannot_start_leaves_the_live_journal_alone(
+    rig: Rig, tmp_path: Path
+) -> None:
+    journal = tmp_path / "journal"
+    config = router_config(tmp_path, state=StateConfig(path=str(journal)))
+    await rig.start_router(config)
+    worker = await rig.add_worker("w0", lease="raw")
+    await worker.claim("before-a0")
+
+    second = RouterService(config)
+    with pytest.raises(ControlSocketInUse):
+        await second.start()
+    await worker.claim("after-a0")  # the live router journals it
+
+    assert b"before-a0" in journal.read_bytes()
+    assert b"after-a0" in journal.read_bytes()
+
+
+# --- leases -------------------------------------------------------------------------------
+
+
+async def test_a_closed_lease_with_a_listening_worker_is_lost_then_restored(rig: Rig) -> None:
+    await rig.start_router(reconnect_grace_s=30.0)
+    worker = await rig.add_worker("w0", lease="raw")
+    await worker.claim("ep-a0")
+    assert worker.lease is not None
+
+    worker.lease.abort()
+    await rig.wait_worker_state("w0", "lost")
+
+    view = (await rig.worker_views())["w0"]
+    assert (view["claims"], view["draining"]) == (1, False)
+    reply = await rig.request("GET", "/while-lost", episode=token("ep"))
+    assert reply.status == 200 and reply.worker == "w0"
+    assert reply.seen_headers(BOOT_HEADER) == [worker.boot]
+    (await rig.request("POST", "/seed")).assert_answer(503, "no_worker", None)
+
+    lease = await RawLease.open(rig.control_address)  # the same process comes back
+    assert (await lease.hello("w0", worker.url, worker.boot))["ok"] is True
+    worker.lease = lease
+
+    view = (await rig.worker_views())["w0"]
+    assert (view["state"], view["claims"], view["generation"]) == ("live", 1, 0)
+    assert (await rig.request("GET", "/restored", episode=token("ep"))).worker == "w0"
+    assert (await rig.request("POST", "/seed")).worker == "w0"
+    synced = await lease.call("sync", claims=[{"kind": "episode", "key": "ep-a0"}], more=False)
+    assert (synced["ok"], synced["accepted"], synced["refused"]) == (True, 1, [])
+
+
+async def test_a_process_restarted_on_a_lost_workers_port_refuses_its_episodes(
+    rig: Rig,
+) -> None:
+    await rig.start_router(reconnect_grace_s=30.0)
+    old = await rig.add_worker("w0", lease="raw")
+    await old.claim("ep-a0")
+    assert old.lease is not None
+    old.lease.abort()
+    await rig.wait_worker_state("w0", "lost")
+
+    await old.close_http()  # the old process is gone; a new one takes its port
+    new = EchoWorker("w0", rig.control_address)
+    new.port = old.port
+    await new.serve()
+    rig.stack.push_async_callback(new.close)
+
+    reply = await rig.request("POST", "/tools/add", episode=token("ep"), data=b"{}")
+
+    # Forwarded with the old boot, the new process answers 410 itself (the boot check).
+    assert reply.status == 410
+    assert reply.json() == {
+        "error": "worker_exited",
+        "detail": reply.json()["detail"],
+        "session": None,
+    }
+    assert old.boot.encode() not in reply.body and new.boot.encode() not in reply.body
+    assert new.seen == []
+
+
+async def test_the_grace_ending_makes_a_lost_workers_episodes_410(rig: Rig) -> None:
+    await rig.start_router(reconnect_grace_s=0.5)
+    worker = await rig.add_worker("w0", lease="raw")
+    await worker.claim("ep-a0")
+    assert worker.lease is not None
+
+    worker.lease.abort()
+    await rig.wait_worker_state("w0", "lost")
+    took = await rig.wait_worker_state("w0", "exited")
+
+    assert took >= 0.3  # the grace, not the probe (the worker still listens)
+    (await rig.request("GET", "/", episode=token("ep"))).assert_answer(
+        410, "worker_exited", "ep-a0"
+    )
+    assert worker.seen == []
+    lease = await RawLease.open(rig.control_address)  # too late: its episodes stay gone
+    assert (await lease.hello("w0", worker.url, worker.boot))["ok"] is True
+    (await rig.request("GET", "/", episode=token("ep"))).assert_answer(
+        410, "worker_exited", "ep-a0"
+    )
+    refused = await lease.call("claim", key="ep-a0")
+    assert (refused["ok"], refused["error"]) == (False, "worker_exited")
+    lease.abort()
+
+
+async def test_a_new_boot_for_the_same_worker_id_retires_the_old_claims(rig: Rig) -> None:
+    await rig.start_router(reconnect_grace_s=30.0)
+    worker = await rig.add_worker("w0", lease="raw")
+    await worker.claim("ep-a0")
+    assert worker.lease is not None
+
+    intruder = await RawLease.open(rig.control_address)
+    busy = await intruder.hello("w0", worker.url, "another-boot")
+    assert (busy["ok"], busy["error"]) == (False, "worker_busy")  # the live lease is kept
+    assert (await rig.request("GET", "/", episode=token("ep"))).worker == "w0"
+
+    worker.lease.abort()
+    await rig.wait_worker_state("w0", "lost")
+    restarted = await intruder.hello("w0", worker.url, "another-boot")
+    assert restarted["ok"] is True
+
+    (await rig.request("GET", "/", episode=token("ep"))).assert_answer(
+        410, "worker_exited", "ep-a0"
+    )
+    view = (await rig.worker_views())["w0"]
+    assert (view["state"], view["claims"], view["generation"]) == ("live", 0, 1)
+    refused = await intruder.call("claim", key="ep-a0")
+    assert (refused["ok"], refused["error"]) == (False, "worker_exited")
+    intruder.abort()
+
+
+async def test_a_new_boot_does_not_inherit_a_drain_its_predecessor_asked_for(rig: Rig) -> None:
+    await rig.start_router(reconnect_grace_s=30.0)
+    worker = await rig.add_worker("w0", lease="raw")
+    assert worker.lease is not None
+    assert (await worker.lease.call("drain", on=True))["ok"] is True
+    worker.lease.abort()
+    await rig.wait_worker_state("w0", "lost")
+
+    restarted = await RawLease.open(rig.control_address)
+    assert (await restarted.hello("w0", worker.url, "new-boot"))["ok"] is True
+    try:
+        assert (await rig.worker_views())["w0"]["draining"] is False
+    finally:
+        restarted.abort()
+
+
+async def test_a_silent_lease_is_lost_after_the_lease_timeout(rig: Rig) -> None:
+    await rig.start_router(lease_timeout_s=0.5, reconnect_grace_s=30.0)
+    worker = await rig.add_worker("w0", lease="raw")  # speaks, then says nothing more
+    await worker.claim("ep-a0")
+    silent_since = time.monotonic()
+    assert worker.lease is not None
+
+    await rig.wait_worker_state("w0", "lost")
+
+    assert time.monotonic() - silent_since >= 0.4
+    assert await worker.lease.closed_by_peer()  # the router hung up on it
+    reply = await rig.request("GET", "/", episode=token("ep"))
+    assert reply.worker == "w0" and reply.seen_headers(BOOT_HEADER) == [worker.boot]
+
+
+async def test_a_lease_that_pings_stays_live_past_the_lease_timeout(rig: Rig) -> None:
+    await rig.start_router(lease_timeout_s=0.5)
+    worker = await rig.add_worker("w0", lease="raw")
+    assert worker.lease is not None
+
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        assert (await worker.lease.call("ping"))["ok"] is True
+        assert (await rig.worker_views())["w0"]["state"] == "live"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_dead_workers_lease_closing_retires_it_without_waiting_for_the_grace(
+    rig: Rig,
+) -> None:
+    await rig.start_router(reconnect_grace_s=30.0)
+    worker = await rig.add_worker("w0", lease="raw")
+    await worker.claim("ep-a0")
+    await worker.close_http()
+    assert worker.lease is not None
+
+    worker.lease.abort()
+
+    assert await rig.wait_worker_state("w0", "exited") < 1.0
+    (await rig.request("GET", "/", episode=token("ep"))).assert_answer(
+        410, "worker_exited", "ep-a0"
+    )
