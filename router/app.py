@@ -27,7 +27,7 @@ BOOT_HEADER = "X-Episode-Router-Boot"
 MAX_SESSIONLESS_TRIES = 3  # connect refused on a sessionless request: try this many workers
 
 
-def answer_response(answer: Answer, request: web.Request | None = None) -> web.Response:
+def answer_response(answer: Answer, request: web.BaseRequest | None = None) -> web.Response:
     """The HTTP response for one of the router's own answers."""
     status, headers, body = render(answer)
     response = web.Response(status=status, body=body, headers=headers)
@@ -36,11 +36,6 @@ def answer_response(answer: Answer, request: web.Request | None = None) -> web.R
         # connection, and never send 100 Continue for a request we refuse.
         response.force_close()
     return response
-
-
-async def _no_continue(request: web.Request) -> None:
-    """Expect handler that sends nothing: 100 Continue goes out only when we forward."""
-    return None
 
 
 class PublicHandler:
@@ -69,12 +64,7 @@ class PublicHandler:
         self._wall_clock = wall_clock
         self.shutting_down = False
 
-    def application(self, **kwargs: object) -> web.Application:
-        app = web.Application(handler_args=kwargs or None, client_max_size=0)
-        app.router.add_route("*", "/{tail:.*}", self.handle, expect_handler=_no_continue)
-        return app
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         started = time.perf_counter()
         exchange = _Exchange(request)
         response = await self._serve(exchange, started)
@@ -115,7 +105,7 @@ class PublicHandler:
             found = reader.read_path(exchange.path, exchange.seeding)
         return found
 
-    def _refuse_early(self, request: web.Request) -> Answer | None:
+    def _refuse_early(self, request: web.BaseRequest) -> Answer | None:
         if self.shutting_down:
             return Answer("shutting_down", "The router is shutting down.", retry_after_s=1.0)
         length = request.content_length
@@ -208,7 +198,7 @@ class _Exchange:
 
     __slots__ = ("body", "found", "kind", "outcome", "path", "request", "seeding")
 
-    def __init__(self, request: web.Request) -> None:
+    def __init__(self, request: web.BaseRequest) -> None:
         self.request = request
         self.kind: str | None = None  # the session kind it named, for metrics
         self.outcome = "forwarded"  # or the code of the router's own answer
@@ -224,7 +214,7 @@ class _Exchange:
         return answer_response(answer, self.request)
 
 
-def _small_json_body(request: web.Request, reader: SessionReader) -> bool:
+def _small_json_body(request: web.BaseRequest, reader: SessionReader) -> bool:
     """A body kind may look only at a JSON body whose length is known and small:
     anything else names no session (and is streamed, never buffered)."""
     length = request.content_length

@@ -420,7 +420,7 @@ class Forwarder:
 
     async def forward(
         self,
-        request: web.Request,
+        request: web.BaseRequest,
         upstream: Upstream,
         *,
         extra_headers: Mapping[str, str] = _NO_HEADERS,
@@ -553,7 +553,7 @@ class Forwarder:
     async def _send(
         self,
         pool: _Pool,
-        request: web.Request,
+        request: web.BaseRequest,
         extra_headers: Mapping[str, str],
         body: bytes | None,
     ) -> aiohttp.ClientResponse:
@@ -592,7 +592,7 @@ class Forwarder:
 
     async def _relay(
         self,
-        request: web.Request,
+        request: web.BaseRequest,
         content: aiohttp.StreamReader,
         response: _RelayedResponse,
         prefix: bytes = b"",
@@ -651,7 +651,7 @@ class Forwarder:
         except TimeoutError:
             return f"no reply data for {idle_s:g} s"
 
-    def _abort_client(self, request: web.Request) -> None:
+    def _abort_client(self, request: web.BaseRequest) -> None:
         """Ends the client connection with no clean terminator after the bytes relayed."""
         transport = request.transport
         if transport is None or transport.is_closing():
@@ -664,7 +664,7 @@ class Forwarder:
             asyncio.get_running_loop().call_later(self._timeouts.stream_idle_s, transport.abort)
 
 
-def _target(request: web.Request) -> str:
+def _target(request: web.BaseRequest) -> str:
     """The request target as the client wrote it (origin form), without re-quoting."""
     raw = request.raw_path
     return raw if raw.startswith("/") else request.rel_url.raw_path_qs

@@ -25,6 +25,7 @@ from router.config import Config
 from router.control import ControlPolicy
 from router.control_server import ControlServer
 from router.core import CoreSettings, RouterCore
+from router.edge import EdgeServer
 from router.forward import Forwarder, ForwardTimeouts
 from router.health import HealthProber, probe_connect
 from router.journal import JournalFile, replay
@@ -92,8 +93,8 @@ class RouterService:
         )
         self.spawner: Spawner | None = None
         self.journal: JournalFile | None = None
-        self._public: web.AppRunner | None = None
-        self._admin: web.AppRunner | None = None
+        self._public: web.BaseRunner | None = None
+        self._admin: web.BaseRunner | None = None
         self._tasks: set[asyncio.Task[object]] = set()
         self.public_port = 0
         self.admin_port = 0
@@ -141,9 +142,7 @@ class RouterService:
             self.prober.start()
         if config.spawn is not None:
             await self._start_spawner()
-        self._public = await self._listen(
-            self.handler.application(**self._http_limits()), config.listen.host, config.listen.port
-        )
+        self._public = await self._serve_public()
         self.public_port = _bound_port(self._public)
         self._admin = await self._listen(
             admin_application(self), config.admin.host, config.admin.port
@@ -205,22 +204,34 @@ class RouterService:
             await self._admin.cleanup()
         log.info("router stopped")
 
-    def _http_limits(self) -> dict[str, object]:
-        limits = self.config.limits
-        return {
-            "max_line_size": limits.max_line_bytes,
-            "max_field_size": limits.max_header_bytes,
-            "max_headers": limits.max_headers,
-            "keepalive_timeout": limits.idle_timeout_s,
-        }
+    async def _serve_public(self) -> web.BaseRunner:
+        """The public listener: the low-level edge server, every request to one handler."""
+        config = self.config
+        limits = config.limits
+        server = EdgeServer(
+            self.handler.handle,
+            header_timeout_s=limits.header_timeout_s,
+            max_line_size=limits.max_line_bytes,
+            max_field_size=limits.max_header_bytes,
+            max_headers=limits.max_headers,
+            keepalive_timeout=limits.idle_timeout_s,
+            access_log=log if config.log.access else None,
+        )
+        runner = web.ServerRunner(
+            server, shutdown_timeout=config.timeouts.shutdown_grace_s, handle_signals=False
+        )
+        return await self._start_site(runner, config.listen.host, config.listen.port)
 
-    async def _listen(self, app: web.Application, host: str, port: int) -> web.AppRunner:
+    async def _listen(self, app: web.Application, host: str, port: int) -> web.BaseRunner:
         runner = web.AppRunner(
             app,
             access_log=log if self.config.log.access else None,
             shutdown_timeout=self.config.timeouts.shutdown_grace_s,
             handle_signals=False,
         )
+        return await self._start_site(runner, host, port)
+
+    async def _start_site(self, runner: web.BaseRunner, host: str, port: int) -> web.BaseRunner:
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_address=True)
         await site.start()
@@ -311,7 +322,7 @@ def _exited(worker: Worker) -> bool:
     return worker.state is WorkerState.EXITED
 
 
-def _bound_port(runner: web.AppRunner) -> int:
+def _bound_port(runner: web.BaseRunner) -> int:
     address = runner.addresses[0]
     return int(address[1])
 

@@ -634,10 +634,6 @@ async def test_a_malformed_or_oversized_head_is_refused_and_the_connection_close
     assert rig.workers["w0"].seen == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="aiohttp's own text/plain 400 answers malformed heads, not the router's JSON answer",
-)
 @pytest.mark.parametrize("name", list(_MALFORMED_HEADS))
 async def test_a_malformed_or_oversized_head_gets_the_routers_json_answer(
     rig: Rig, name: str
@@ -669,10 +665,6 @@ async def test_a_request_head_that_never_completes_is_closed_by_the_idle_bound(
     assert 0.4 <= time.monotonic() - started < 3.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="limits.header_timeout_s is never read: a slow head lives until idle_timeout_s",
-)
 async def test_a_request_head_that_never_completes_is_closed_after_the_header_timeout(
     rig: Rig, tmp_path: Path
 ) -> None:

@@ -1,0 +1,89 @@
+"""The public listener's edge rules: answers to malformed heads and the head timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiohttp import http_exceptions
+from router_fixtures import RawHttp, Rig, open_rig, router_config
+
+from router.config import LimitsConfig
+from router.edge import head_error_answer
+
+
+@pytest.fixture
+async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
+    async with open_rig(tmp_path) as rig:
+        yield rig
+
+
+# --- pure -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (http_exceptions.LineTooLong(b"/x...", 8190), "uri_too_long"),
+        (http_exceptions.LineTooLong(b"X-Big: ...", 16384), "headers_too_large"),
+        (http_exceptions.BadHttpMessage("Too many headers received"), "headers_too_large"),
+        (http_exceptions.BadHttpMessage("Content-Length can't be present with TE"), "bad_request"),
+        (http_exceptions.BadStatusLine(b"GARBAGE"), "bad_request"),
+        (None, "bad_request"),
+    ],
+)
+def test_a_refused_head_gets_the_answer_for_its_fault(exc: BaseException | None, code: str) -> None:
+    answer = head_error_answer(exc, max_line_size=8190)
+    assert answer.code == code
+    assert answer.session is None
+    assert answer.detail.endswith(".")
+
+
+# --- the head timeout -------------------------------------------------------------------------
+
+
+def limits(**fields: float) -> LimitsConfig:
+    return dataclasses.replace(LimitsConfig(), **fields)  # type: ignore[arg-type]
+
+
+async def test_a_second_head_dribbled_on_a_kept_alive_connection_is_cut_at_the_timeout(
+    rig: Rig, tmp_path: Path
+) -> None:
+    config = router_config(tmp_path, limits=limits(header_timeout_s=0.4, idle_timeout_s=30.0))
+    await rig.start_router(config)
+    await rig.add_worker("w0")
+    conn = await RawHttp.open(rig.router.public_port)
+    try:
+        conn.send(b"GET /one HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, _ = await conn.read_reply()
+        assert status == 200
+        await asyncio.sleep(0.6)  # idle longer than the head timeout: allowed
+        conn.send(b"GET /two HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, _ = await conn.read_reply()
+        assert status == 200  # the idle time did not count against the head
+        started = time.monotonic()
+        conn.send(b"GET /three HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        assert await conn.read_to_end() == b""
+        assert 0.3 <= time.monotonic() - started < 2.0
+    finally:
+        conn.close()
+    assert [seen.path for seen in rig.workers["w0"].seen] == ["/one", "/two"]
+
+
+async def test_a_slow_body_is_not_cut_by_the_head_timeout(rig: Rig, tmp_path: Path) -> None:
+    config = router_config(tmp_path, limits=limits(header_timeout_s=0.3, idle_timeout_s=30.0))
+    await rig.start_router(config)
+    await rig.add_worker("w0")
+    conn = await RawHttp.open(rig.router.public_port)
+    try:
+        conn.send(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nab")
+        await asyncio.sleep(0.6)
+        conn.send(b"cd")
+        status, _, _ = await conn.read_reply()
+        assert status == 200
+    finally:
+        conn.close()
