@@ -31,7 +31,7 @@ class Claim:
 
     # One of these exists per live session, possibly a million of them:
     # __slots__ keeps each at ~100 bytes instead of ~400 with a __dict__.
-    __slots__ = ("key", "kind", "last_used", "learned", "since", "state", "worker")
+    __slots__ = ("key", "kind", "last_used", "learned", "siblings", "since", "state", "worker")
 
     def __init__(
         self, kind: str, key: str, worker: str, now: float, *, learned: bool = False
@@ -43,6 +43,9 @@ class Claim:
         self.since = now
         self.last_used = now
         self.learned = learned
+        # Claims learned from the same seed reply (one session under several kinds,
+        # e.g. a cookie and an MCP token): a close ends them together.
+        self.siblings: tuple[Claim, ...] = ()
 
     def __repr__(self) -> str:
         return f"Claim({self.kind}:{self.key} {self.state.value} by {self.worker})"

@@ -317,9 +317,22 @@ class RouterCore:
             self.learn_conflicts += 1
         return refusal
 
+    def link_learned(self, pairs: Iterable[tuple[str, str]]) -> None:
+        """The claims `pairs` (kind, key) were learned from one reply: one session."""
+        claims = [c for c in (self.claims.lookup(k, key) for k, key in pairs) if c is not None]
+        for claim in claims:
+            claim.siblings = tuple(other for other in claims if other is not claim)
+
     def release_learned(self, worker: Worker, kind: str, key: str, now: float) -> bool:
-        """A close route's (or MCP DELETE's) 2xx reply ends the session."""
-        return self.release(worker, kind, key, now)
+        """A close route's (or MCP DELETE's) 2xx reply ends the session, under every
+        kind the seed reply taught it."""
+        claim = self.claims.lookup(kind, key)
+        siblings = claim.siblings if claim is not None else ()
+        released = self.release(worker, kind, key, now)
+        for sibling in siblings:
+            if sibling.state is ClaimState.HELD and sibling.worker == worker.id:
+                self.release(worker, sibling.kind, sibling.key, now)
+        return released
 
     def release(self, worker: Worker, kind: str, key: str, now: float) -> bool:
         released = self.claims.release(kind, key, worker.id, now)

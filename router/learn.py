@@ -64,7 +64,7 @@ def plan_learning(
 class ReplyLearner:
     """Watches one reply and teaches the core what it says (a ReplyObserver)."""
 
-    __slots__ = ("_clock", "_core", "_pending", "_plan", "_wall_clock", "_worker")
+    __slots__ = ("_clock", "_core", "_pending", "_plan", "_taught", "_wall_clock", "_worker")
 
     def __init__(
         self,
@@ -81,6 +81,7 @@ class ReplyLearner:
         self._clock = clock
         self._wall_clock = wall_clock
         self._pending: list[SessionKind] = []
+        self._taught: list[tuple[str, str]] = []  # what this reply taught, to link them
 
     def head(self, status: int, headers: Mapping[str, str], set_cookies: list[str]) -> int:
         plan = self._plan
@@ -140,4 +141,7 @@ class ReplyLearner:
                 extra={"kind": kind.name, "worker": self._worker.id, "error": exc.code},
             )
             return
-        self._core.learn(self._worker, kind.name, key, self._clock())
+        if self._core.learn(self._worker, kind.name, key, self._clock()) is None:
+            self._taught.append((kind.name, key))
+            if len(self._taught) > 1:
+                self._core.link_learned(self._taught)
