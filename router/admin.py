@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from router.config import ConfigError
 from router.workers import Worker
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ def admin_application(service: RouterService) -> web.Application:
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/admin/workers", _workers)
     app.router.add_get("/admin/sessions/{kind}/{key}", _session)
+    app.router.add_post("/admin/reload", _reload)
     app.router.add_post("/admin/workers/{id}/drain", _drain)
     app.router.add_delete("/admin/workers/{id}/drain", _undrain)
     return app
@@ -128,6 +130,21 @@ async def _session(request: web.Request) -> web.Response:
             "age_s": round(age, 3),
             "learned": claim.learned,
         }
+    )
+
+
+async def _reload(request: web.Request) -> web.Response:
+    """Reload the config file; a bad one is refused with its reason, the old one stays."""
+    service = request.app[_SERVICE]
+    try:
+        plan = service.reload_from_file()
+    except LookupError as exc:
+        return web.json_response({"error": "no_config_file", "detail": str(exc)}, status=409)
+    except (ConfigError, ValueError) as exc:
+        body = {"error": "invalid_config", "detail": f"{exc}; the running config stays."}
+        return web.json_response(body, status=400)
+    return web.json_response(
+        {"ok": True, "applied": list(plan.applied), "needs_restart": list(plan.needs_restart)}
     )
 
 

@@ -22,6 +22,8 @@ from router.sessions import SessionReader, SessionRef
 from router.workers import Worker, WorkerState
 
 log = logging.getLogger("episode_router.public")
+answers_log = logging.getLogger("episode_router.answers")
+MAX_LOGGED_PATH = 200  # a hostile client's path is cut here in the log
 
 BOOT_HEADER = "X-Episode-Router-Boot"
 MAX_SESSIONLESS_TRIES = 3  # connect refused on a sessionless request: try this many workers
@@ -209,9 +211,23 @@ class _Exchange:
         self.body: bytes | None = None  # read only when a body kind needed it
 
     def answer(self, answer: Answer) -> web.Response:
-        """The router's own answer to this request."""
+        """The router's own answer to this request, logged as one line (never the token:
+        `session` is the key the token names)."""
         self.outcome = answer.code
-        return answer_response(answer, self.request)
+        request = self.request
+        answers_log.info(
+            "answered",
+            extra={
+                "code": answer.code,
+                "status": answer.status,
+                "kind": self.kind,
+                "session": answer.session,
+                "method": request.method,
+                "path": self.path[:MAX_LOGGED_PATH],
+                "client": request.remote,
+            },
+        )
+        return answer_response(answer, request)
 
 
 def _small_json_body(request: web.BaseRequest, reader: SessionReader) -> bool:

@@ -58,6 +58,11 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="workers and claims, from the admin API")
     status.add_argument("--admin", default="http://127.0.0.1:9901", help="admin base URL")
     status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument(
+        "--token-env",
+        default=None,
+        help="variable holding the admin bearer token (needed when admin is off loopback)",
+    )
     token = sub.add_parser("token", help="episode token tools")
     token_sub = token.add_subparsers(dest="token_command", required=True)
     mint = token_sub.add_parser("mint", help="mint an HS256 episode token")
@@ -75,16 +80,16 @@ def _run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"episode-router: {exc}", file=sys.stderr)
         return 2
-    return serve(config)
+    return serve(config, config_path=args.config)
 
 
-def serve(config: Config, banner: str | None = None) -> int:
+def serve(config: Config, banner: str | None = None, config_path: str | None = None) -> int:
     """Run the router with `config` until SIGTERM or SIGINT."""
     from router.service import RouterService, run_until_signalled
 
     setup_logging(config.log)
     _install_uvloop()
-    service = RouterService(config)
+    service = RouterService(config, config_path=config_path)
 
     async def _main() -> None:
         if banner is not None:
@@ -171,8 +176,15 @@ def demo_banner(port: int, admin_port: int, workers: int) -> str:
 
 def _status(args: argparse.Namespace) -> int:
     url = args.admin.rstrip("/") + "/admin/workers"
+    request = urllib.request.Request(url)
+    if args.token_env:
+        token = os.environ.get(args.token_env)
+        if not token:
+            print(f"episode-router: {args.token_env} is not set", file=sys.stderr)
+            return 2
+        request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(url, timeout=5) as reply:
+        with urllib.request.urlopen(request, timeout=5) as reply:
             data = json.load(reply)
     except (urllib.error.URLError, OSError, ValueError) as exc:
         print(f"episode-router: cannot read {url}: {exc}", file=sys.stderr)

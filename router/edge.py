@@ -121,6 +121,11 @@ class EdgeServer(web.Server):
         super().__init__(handler, **kwargs)
         self._header_timeout_s = header_timeout_s
 
+    def set_limits(self, *, header_timeout_s: float, **kwargs: Any) -> None:
+        """Limits for the connections accepted from now on (a config reload)."""
+        self._header_timeout_s = header_timeout_s
+        self._kwargs.update(kwargs)
+
     def __call__(self) -> RequestHandler:
         return EdgeHandler(
             self, loop=self._loop, header_timeout_s=self._header_timeout_s, **self._kwargs

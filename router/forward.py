@@ -402,11 +402,15 @@ class Forwarder:
     def __init__(self, timeouts: ForwardTimeouts, *, pool_size_per_upstream: int = 256) -> None:
         if pool_size_per_upstream < 1:
             raise ValueError("pool_size_per_upstream must be at least 1")
-        self._timeouts = timeouts
         self._pool_size = pool_size_per_upstream
         self._pools: dict[str, _Pool] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._closed = False
+        self.set_timeouts(timeouts)
+
+    def set_timeouts(self, timeouts: ForwardTimeouts) -> None:
+        """Bounds for the forwards that start from now on (a config reload)."""
+        self._timeouts = timeouts
         # connect bounds both the wait for a pooled connection and the TCP/Unix connect;
         # the reply-head and body bounds are enforced here, not by aiohttp. No ceiling of
         # timeouts to whole seconds: a 1 s connect bound must not become 2 s.
@@ -584,6 +588,7 @@ class Forwarder:
                     headers=headers,
                     data=data,
                     allow_redirects=False,
+                    timeout=self._client_timeout,
                 )
         except (aiohttp.ClientError, OSError, ValueError) as exc:
             raise _failure(exc, upload, timeouts) from exc

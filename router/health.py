@@ -71,10 +71,10 @@ class HealthProber:
         self._session: aiohttp.ClientSession | None = None
 
     def start(self) -> None:
-        self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
+        """Start probing (again a no-op once started)."""
+        if self._task is not None:
+            return
+        self._session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
         self._task = asyncio.create_task(self._run(), name="health-prober")
 
     async def close(self) -> None:
@@ -109,7 +109,9 @@ class HealthProber:
         connector_url, path = _probe_target(worker.url, self.path)
         try:
             if connector_url is None:
-                async with self._session.get(worker.url.rstrip("/") + path) as reply:
+                url = worker.url.rstrip("/") + path
+                timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+                async with self._session.get(url, timeout=timeout) as reply:
                     return "ok" if reply.status < 500 else "timeout"
             async with (
                 aiohttp.ClientSession(

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from router.admin import admin_application
 from router.app import PublicHandler
-from router.config import Config
+from router.config import Config, ConfigError, load_config
 from router.control import ControlPolicy
 from router.control_server import ControlServer
 from router.core import CoreSettings, RouterCore
@@ -29,7 +29,9 @@ from router.edge import EdgeServer
 from router.forward import Forwarder, ForwardTimeouts
 from router.health import HealthProber, probe_connect
 from router.journal import JournalFile, replay
+from router.logs import setup_logging
 from router.metrics import RouterMetrics
+from router.reload import ReloadPlan, effective_config, plan_reload
 from router.sessions import SessionKind, SessionReader, kind_from_config
 from router.spawn import SpawnedWorker, Spawner, SpawnSpec
 from router.workers import Worker, WorkerOrigin, WorkerState
@@ -60,18 +62,13 @@ def session_kinds(config: Config) -> list[SessionKind]:
 class RouterService:
     """Everything one router process runs."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, config_path: str | None = None) -> None:
         self.config = config
+        self.config_path = config_path  # where a reload reads the new config
         self.boot = secrets.token_hex(8)
         self._clock = time.monotonic
         self.core = RouterCore(core_settings(config), self._clock(), on_retire=self._retired)
-        self.forwarder = Forwarder(
-            ForwardTimeouts(
-                connect_s=config.timeouts.connect_s,
-                first_byte_s=config.timeouts.first_byte_s,
-                stream_idle_s=config.timeouts.stream_idle_s,
-            )
-        )
+        self.forwarder = Forwarder(forward_timeouts(config))
         self.metrics = self._build_metrics()
         self.control = ControlServer(
             self.core, self._control_policy(), on_lease_lost=self._lease_lost, metrics=self.metrics
@@ -94,6 +91,7 @@ class RouterService:
         self.spawner: Spawner | None = None
         self.journal: JournalFile | None = None
         self._public: web.BaseRunner | None = None
+        self._edge: EdgeServer | None = None
         self._admin: web.BaseRunner | None = None
         self._tasks: set[asyncio.Task[object]] = set()
         self.public_port = 0
@@ -116,8 +114,8 @@ class RouterService:
             kinds=[kind.name for kind in self.config.sessions],
         )
 
-    def _control_policy(self) -> ControlPolicy:
-        control = self.config.control
+    def _control_policy(self, config: Config | None = None) -> ControlPolicy:
+        control = (config or self.config).control
         return ControlPolicy(
             own_uid=os.getuid(),
             allowed_uids=frozenset(control.allowed_uids),
@@ -207,18 +205,9 @@ class RouterService:
     async def _serve_public(self) -> web.BaseRunner:
         """The public listener: the low-level edge server, every request to one handler."""
         config = self.config
-        limits = config.limits
-        server = EdgeServer(
-            self.handler.handle,
-            header_timeout_s=limits.header_timeout_s,
-            max_line_size=limits.max_line_bytes,
-            max_field_size=limits.max_header_bytes,
-            max_headers=limits.max_headers,
-            keepalive_timeout=limits.idle_timeout_s,
-            access_log=log if config.log.access else None,
-        )
+        self._edge = EdgeServer(self.handler.handle, **edge_limits(config))
         runner = web.ServerRunner(
-            server, shutdown_timeout=config.timeouts.shutdown_grace_s, handle_signals=False
+            self._edge, shutdown_timeout=config.timeouts.shutdown_grace_s, handle_signals=False
         )
         return await self._start_site(runner, config.listen.host, config.listen.port)
 
@@ -301,6 +290,59 @@ class RouterService:
         """The pid of a worker this router spawned and runs now, else None."""
         return self.spawner.pid(worker_id) if self.spawner is not None else None
 
+    # -- reload ----------------------------------------------------------------
+
+    def reload(self, new: Config) -> ReloadPlan:
+        """Apply what `new` changes that a running router can change (see
+        router.reload); the claim table and in-flight requests are untouched.
+        Raises ValueError, before changing anything, if `new` cannot be applied."""
+        plan = plan_reload(self.config, new)
+        target = effective_config(self.config, new)
+        reader = SessionReader(session_kinds(target))  # may raise: nothing applied yet
+        self.core.settings = core_settings(target)
+        self.core.claims.tombstone_ttl_s = target.claims.tombstone_ttl_s
+        self.core.claims.max_tombstones = target.claims.max_tombstones
+        self.handler.sessions = reader
+        self.handler.max_body_bytes = target.limits.max_body_bytes
+        self.control.policy = self._control_policy(target)
+        self.forwarder.set_timeouts(forward_timeouts(target))
+        if self._edge is not None:
+            self._edge.set_limits(**edge_limits(target))
+        self.prober.path = target.health.path
+        self.prober.interval_s = target.health.interval_s
+        self.prober.timeout_s = target.health.timeout_s
+        self._reload_static_workers(target)
+        if target.log != self.config.log:
+            setup_logging(target.log)
+        self.config = target
+        log.info(
+            "config reloaded",
+            extra={"applied": list(plan.applied), "needs_restart": list(plan.needs_restart)},
+        )
+        return plan
+
+    def reload_from_file(self) -> ReloadPlan:
+        """Reload from the file the router was started with. Raises ConfigError
+        (bad file), ValueError (cannot apply) or LookupError (no file: a demo)."""
+        if self.config_path is None:
+            raise LookupError("this router was not started from a config file")
+        return self.reload(load_config(self.config_path))
+
+    def _reload_static_workers(self, target: Config) -> None:
+        now = self._clock()
+        wanted = {static.id: static.url for static in target.workers}
+        for worker in self.core.workers:
+            if worker.origin is not WorkerOrigin.STATIC or worker.state is WorkerState.EXITED:
+                continue
+            if wanted.get(worker.id) != worker.url:
+                self.core.retire(worker, now)  # removed, or moved: its sessions end
+        for worker_id, url in wanted.items():
+            known = self.core.workers.get(worker_id)
+            if known is None or known.state is WorkerState.EXITED or known.url != url:
+                self.core.register(worker_id, url, WorkerOrigin.STATIC, now)
+        if wanted:
+            self.prober.start()
+
     async def check_worker(self, worker: Worker) -> bool:
         """Probe `worker`'s address; retire it if nothing listens. True if it is gone."""
         if _exited(worker):
@@ -322,6 +364,36 @@ def _exited(worker: Worker) -> bool:
     return worker.state is WorkerState.EXITED
 
 
+def forward_timeouts(config: Config) -> ForwardTimeouts:
+    timeouts = config.timeouts
+    return ForwardTimeouts(
+        connect_s=timeouts.connect_s,
+        first_byte_s=timeouts.first_byte_s,
+        stream_idle_s=timeouts.stream_idle_s,
+    )
+
+
+def edge_limits(config: Config) -> dict[str, Any]:
+    """The public server's per-connection settings."""
+    limits = config.limits
+    return {
+        "header_timeout_s": limits.header_timeout_s,
+        "max_line_size": limits.max_line_bytes,
+        "max_field_size": limits.max_header_bytes,
+        "max_headers": limits.max_headers,
+        "keepalive_timeout": limits.idle_timeout_s,
+        "access_log": log if config.log.access else None,
+    }
+
+
+def _reload_on_signal(service: RouterService) -> None:
+    """SIGHUP: reload; a bad config is refused with its reason and the old one stays."""
+    try:
+        service.reload_from_file()
+    except (ConfigError, ValueError, LookupError) as exc:
+        log.error("config reload refused; the running config stays", extra={"reason": str(exc)})
+
+
 def _bound_port(runner: web.BaseRunner) -> int:
     address = runner.addresses[0]
     return int(address[1])
@@ -335,11 +407,12 @@ async def run_until_signalled(service: RouterService) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, _reload_on_signal, service)
     await service.start()
     try:
         await stop.wait()
     finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(signum)
         await service.stop()

@@ -1,0 +1,72 @@
+"""Config reload (SIGHUP, POST /admin/reload): what a new config may change live.
+
+`plan_reload(old, new)` compares two validated configs and sorts every changed
+section into what the running router applies (session kinds, static workers,
+health probes, claims, limits, timeouts, logging, control-socket policy) and
+what only a restart can change (listen and admin addresses, the control socket
+path, spawn, the journal path). The claim table and in-flight requests are
+never touched by a reload. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from router.config import Config, ControlConfig
+
+# Sections a running router cannot change: they name sockets it holds open or
+# processes and files it owns. The reason is said back to the operator.
+RESTART_ONLY = {
+    "listen": "the public listener is bound at start",
+    "admin": "the admin listener is bound at start",
+    "spawn": "spawned workers are started with the router",
+    "state": "the journal is opened at start",
+}
+CONTROL_RESTART_ONLY = {"socket": "the control socket is bound at start"}
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadPlan:
+    applied: tuple[str, ...]  # config sections (or keys) that change now
+    needs_restart: tuple[str, ...]  # "section: reason" lines, left as they were
+
+    @property
+    def changes_anything(self) -> bool:
+        return bool(self.applied)
+
+
+def plan_reload(old: Config, new: Config) -> ReloadPlan:
+    """What changes between `old` and `new`, and what of it waits for a restart."""
+    applied: list[str] = []
+    restart: list[str] = []
+    for section in fields(Config):
+        name = section.name
+        before, after = getattr(old, name), getattr(new, name)
+        if before == after:
+            continue
+        if name in RESTART_ONLY:
+            restart.append(f"{name}: {RESTART_ONLY[name]}")
+        elif name == "control":
+            live, later = _control_changes(before, after)
+            applied.extend(f"control.{key}" for key in live)
+            restart.extend(f"control.{key}: {CONTROL_RESTART_ONLY[key]}" for key in later)
+        else:
+            applied.append(name)
+    return ReloadPlan(tuple(applied), tuple(restart))
+
+
+def effective_config(old: Config, new: Config) -> Config:
+    """The config the router runs after the reload: `new`, except what needs a restart."""
+    kept = {name: getattr(old, name) for name in RESTART_ONLY}
+    control = replace(new.control, socket=old.control.socket)
+    return replace(new, control=control, **kept)
+
+
+def _control_changes(before: ControlConfig, after: ControlConfig) -> tuple[list[str], list[str]]:
+    live: list[str] = []
+    later: list[str] = []
+    for field in fields(ControlConfig):
+        key = field.name
+        if getattr(before, key) != getattr(after, key):
+            (later if key in CONTROL_RESTART_ONLY else live).append(key)
+    return live, later

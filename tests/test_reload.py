@@ -1,0 +1,185 @@
+"""Config reload: what changes live, what waits for a restart, and nothing dropped."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from router_fixtures import Rig, open_rig, token
+
+from router.config import (
+    Config,
+    ConfigError,
+    LimitsConfig,
+    ListenConfig,
+    default_config,
+    load_config,
+)
+from router.reload import effective_config, plan_reload
+
+# --- pure -----------------------------------------------------------------------------------
+
+
+def test_an_unchanged_config_changes_nothing() -> None:
+    plan = plan_reload(default_config(), default_config())
+    assert (plan.applied, plan.needs_restart, plan.changes_anything) == ((), (), False)
+
+
+def test_live_sections_apply_and_bound_ones_wait_for_a_restart() -> None:
+    old = default_config()
+    new = dataclasses.replace(
+        old,
+        listen=ListenConfig("127.0.0.1", 9999),
+        limits=dataclasses.replace(LimitsConfig(), max_body_bytes=10),
+        control=dataclasses.replace(old.control, socket="unix:/tmp/other.sock", lease_timeout_s=3),
+    )
+    plan = plan_reload(old, new)
+    assert plan.applied == ("control.lease_timeout_s", "limits")
+    assert plan.needs_restart == (
+        "listen: the public listener is bound at start",
+        "control.socket: the control socket is bound at start",
+    )
+    running = effective_config(old, new)
+    assert running.listen == old.listen
+    assert running.control.socket == old.control.socket
+    assert running.control.lease_timeout_s == 3
+    assert running.limits.max_body_bytes == 10
+
+
+# --- a running router -------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
+    async with open_rig(tmp_path) as rig:
+        yield rig
+
+
+def write_config(path: Path, tmp_path: Path, extra: str = "") -> None:
+    path.write_text(
+        f"""
+listen: {{host: 127.0.0.1, port: 0}}
+admin: {{host: 127.0.0.1, port: 0}}
+control: {{socket: "unix:{tmp_path}/c.sock"}}
+claims: {{recovery_window_s: 0.001}}
+timeouts: {{shutdown_grace_s: 3}}
+{extra}
+"""
+    )
+
+
+async def start_from_file(rig: Rig, tmp_path: Path) -> Path:
+    path = tmp_path / "router.yaml"
+    write_config(path, tmp_path)
+    service = await rig.start_router(load_config(path))
+    service.config_path = str(path)
+    return path
+
+
+async def test_a_reload_under_load_changes_kinds_and_limits_and_drops_nothing(
+    rig: Rig, tmp_path: Path
+) -> None:
+    path = await start_from_file(rig, tmp_path)
+    workers = [await rig.add_worker(f"w{i}") for i in range(2)]
+    for i in range(20):
+        await workers[i % 2].claim(f"ep{i}-a0")
+    failures: list[tuple[int, str]] = []
+    stop = asyncio.Event()
+
+    async def load(lane: int) -> int:
+        sent = 0
+        while not stop.is_set() and sent < 2000:
+            ep = (lane + sent) % 20
+            reply = await rig.request("POST", "/tool", episode=token(f"ep{ep}"), data=b"x" * 100)
+            if reply.status != 200 or reply.worker != f"w{ep % 2}":
+                failures.append((reply.status, reply.body[:200].decode(errors="replace")))
+            sent += 1
+        return sent
+
+    lanes = [asyncio.create_task(load(lane), name=f"load-{lane}") for lane in range(4)]
+    await asyncio.sleep(0.2)
+    write_config(
+        path,
+        tmp_path,
+        extra="""
+sessions:
+  - {name: episode, header: X-NeMo-Gym-Episode-Token, token: {format: jws}}
+  - {name: chat, header: X-Chat, token: {format: raw}, unclaimed: forward}
+limits: {max_body_bytes: 1000}
+""",
+    )
+    reply = await rig.admin("POST", "/admin/reload")
+    status, body = reply.status, reply.json()
+    assert status == 200, body
+    assert body == {"ok": True, "applied": ["sessions", "limits"], "needs_restart": []}
+    await asyncio.sleep(0.2)
+    stop.set()
+    sent = sum(await asyncio.gather(*lanes))
+    assert sent > 40 and failures == []
+
+    too_big = await rig.request("POST", "/tool", episode=token("ep1"), data=b"x" * 2000)
+    too_big.assert_answer(413, "payload_too_large", None)
+    chat = await rig.request("POST", "/tool", headers={"X-Chat": "conversation-1"})
+    assert chat.status == 200 and chat.worker in ("w0", "w1")
+    assert rig.router.core.claims.held_total == 20  # the claim table went through untouched
+
+
+async def test_a_broken_config_is_refused_and_the_old_one_keeps_serving(
+    rig: Rig, tmp_path: Path
+) -> None:
+    path = await start_from_file(rig, tmp_path)
+    worker = await rig.add_worker("w0")
+    await worker.claim("ep-a0")
+    before = rig.router.config
+    write_config(path, tmp_path, extra="limits: {max_body_bytes: -1, no_such_key: 1}")
+
+    reply = await rig.admin("POST", "/admin/reload")
+    status, body = reply.status, reply.json()
+    assert status == 400 and body["error"] == "invalid_config"
+    assert "the running config stays" in body["detail"]
+    with pytest.raises(ConfigError):
+        rig.router.reload_from_file()  # what SIGHUP calls
+    assert rig.router.config is before
+    reply = await rig.request("GET", "/still", episode=token("ep"))
+    assert reply.status == 200 and reply.worker == "w0"
+
+
+async def test_what_needs_a_restart_is_said_and_left_as_it_is(rig: Rig, tmp_path: Path) -> None:
+    path = await start_from_file(rig, tmp_path)
+    port = rig.router.public_port
+    write_config(path, tmp_path, extra="")
+    text = path.read_text().replace("listen: {host: 127.0.0.1, port: 0}", "listen: {port: 1}")
+    path.write_text(text)
+    reply = await rig.admin("POST", "/admin/reload")
+    status, body = reply.status, reply.json()
+    assert status == 200
+    assert body["needs_restart"] == ["listen: the public listener is bound at start"]
+    assert rig.router.public_port == port
+    assert rig.router.config.listen == ListenConfig("127.0.0.1", 0)
+
+
+async def test_a_router_without_a_config_file_says_so(rig: Rig) -> None:
+    await rig.start_router()
+    reply = await rig.admin("POST", "/admin/reload")
+    status, body = reply.status, reply.json()
+    assert status == 409 and body["error"] == "no_config_file"
+
+
+def _kinds(config: Config) -> list[str]:
+    return [kind.name for kind in config.sessions]
+
+
+async def test_static_workers_come_and_go_with_the_config(rig: Rig, tmp_path: Path) -> None:
+    path = await start_from_file(rig, tmp_path)
+    extra = "workers: [{id: s0, url: 'http://127.0.0.1:1'}]\nhealth: {interval_s: 0.05}"
+    write_config(path, tmp_path, extra=extra)
+    rig.router.reload_from_file()
+    assert rig.router.core.workers.get("s0") is not None
+    write_config(path, tmp_path)
+    rig.router.reload_from_file()
+    gone = rig.router.core.workers.get("s0")
+    assert gone is not None and gone.state.value == "exited"
+    assert _kinds(rig.router.config) == ["episode"]
