@@ -175,11 +175,18 @@ class PublicHandler:
             return None
         request = exchange.request
         plan = plan_learning(
-            reader, request.method, exchange.path, exchange.found, exchange.seeding
+            reader, request.method, exchange.path, exchange.found, exchange.seeding, request.headers
         )
         if not plan:
             return None
-        return ReplyLearner(plan, self.core, worker, clock=self._clock, wall_clock=self._wall_clock)
+        return ReplyLearner(
+            plan,
+            self.core,
+            worker,
+            clock=self._clock,
+            wall_clock=self._wall_clock,
+            metrics=self.metrics,
+        )
 
     def _failure_answer(self, failure: UpstreamFailure, gone: bool, decision: Forward) -> Answer:
         """DESIGN §3: before the reply head, a refused connect or a worker whose lease

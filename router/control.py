@@ -38,6 +38,7 @@ class Peer:
 
     uid: int | None  # SO_PEERCRED uid for Unix sockets; None over TCP
     tcp: bool
+    pid: int | None = None  # SO_PEERCRED pid: lets the router stop an adopted worker
 
 
 @dataclass(frozen=True, slots=True)

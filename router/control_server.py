@@ -39,7 +39,7 @@ WRITE_BUFFER_HIGH = 1 << 20
 CLOSE_WAIT_S = 1.0  # at shutdown, how long connections get to end after their transport closed
 
 
-class ControlSocketInUse(RuntimeError):
+class ControlSocketInUse(OSError):
     """Another live router listens on the control socket path."""
 
 
@@ -88,8 +88,8 @@ def peer_of(writer: asyncio.StreamWriter) -> Peer:
     sock = writer.get_extra_info("socket")
     if sock is not None and sock.family == socket.AF_UNIX:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        _pid, uid, _gid = struct.unpack("3i", creds)
-        return Peer(uid=uid, tcp=False)
+        pid, uid, _gid = struct.unpack("3i", creds)
+        return Peer(uid=uid, tcp=False, pid=pid)
     return Peer(uid=None, tcp=True)
 
 

@@ -21,8 +21,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from router.core import RouterCore
-from router.formats import FormatError, json_pointer, set_cookie_value
-from router.sessions import SessionKind, SessionReader, SessionRef, session_key
+from router.formats import FormatError, json_pointer, mcp_session_key, set_cookie_value
+from router.metrics import RouterMetrics
+from router.sessions import Headers, SessionKind, SessionReader, SessionRef, session_key
 from router.tokens import TokenError
 from router.workers import Worker
 
@@ -45,7 +46,12 @@ class LearningPlan:
 
 
 def plan_learning(
-    reader: SessionReader, method: str, path: str, found: SessionRef | None, seeding: frozenset[str]
+    reader: SessionReader,
+    method: str,
+    path: str,
+    found: SessionRef | None,
+    seeding: frozenset[str],
+    headers: Headers,
 ) -> LearningPlan:
     """What to watch in the reply to `method path`, which named session `found`."""
     seed = tuple(reader.by_name[name] for name in sorted(seeding))
@@ -56,15 +62,31 @@ def plan_learning(
             close = found
     mcp = next((k for k in reader.kinds if k.mcp_path is not None and k.mcp_path == path), None)
     mcp_release = None
-    if mcp is not None and method == "DELETE" and found is not None and found.kind == mcp.name:
-        mcp_release = found.key
+    if mcp is not None and method == "DELETE":
+        # The MCP session this DELETE ends is its own Mcp-Session-Id, even when the
+        # request was routed by a stronger source (the episode token travels on it).
+        values = headers.getall(mcp.header or "", [])
+        if len(values) == 1:
+            try:
+                mcp_release = mcp_session_key(values[0])
+            except FormatError:
+                mcp_release = None
     return LearningPlan(seed, close, mcp, mcp_release)
 
 
 class ReplyLearner:
     """Watches one reply and teaches the core what it says (a ReplyObserver)."""
 
-    __slots__ = ("_clock", "_core", "_pending", "_plan", "_taught", "_wall_clock", "_worker")
+    __slots__ = (
+        "_clock",
+        "_core",
+        "_metrics",
+        "_pending",
+        "_plan",
+        "_taught",
+        "_wall_clock",
+        "_worker",
+    )
 
     def __init__(
         self,
@@ -74,8 +96,10 @@ class ReplyLearner:
         *,
         clock: Callable[[], float],
         wall_clock: Callable[[], float],
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self._plan = plan
+        self._metrics = metrics
         self._core = core
         self._worker = worker
         self._clock = clock
@@ -117,7 +141,8 @@ class ReplyLearner:
                 value = json_pointer(document, kind.learn.json_pointer)
             except LookupError:
                 value = None
-            self._learn(kind, str(value) if isinstance(value, str | int) else None)
+            usable = isinstance(value, str | int) and not isinstance(value, bool)
+            self._learn(kind, str(value) if usable else None)
 
     def _learn_mcp(self, kind: SessionKind, headers: Mapping[str, str], ok: bool) -> None:
         plan = self._plan
@@ -141,7 +166,23 @@ class ReplyLearner:
                 extra={"kind": kind.name, "worker": self._worker.id, "error": exc.code},
             )
             return
-        if self._core.learn(self._worker, kind.name, key, self._clock()) is None:
-            self._taught.append((kind.name, key))
-            if len(self._taught) > 1:
-                self._core.link_learned(self._taught)
+        refusal = self._core.learn(self._worker, kind.name, key, self._clock())
+        if refusal is not None:
+            # DESIGN §4: a learned key another worker holds is not learned: counted, logged.
+            log.warning(
+                "learned claim refused",
+                extra={
+                    "kind": kind.name,
+                    "worker": self._worker.id,
+                    "error": refusal.error,
+                    "holder": refusal.holder,
+                },
+            )
+            if self._metrics is not None:
+                self._metrics.learn_conflict(kind.name)
+            return
+        if self._metrics is not None:
+            self._metrics.learned(kind.name)
+        self._taught.append((kind.name, key))
+        if len(self._taught) > 1:
+            self._core.link_learned(self._taught)

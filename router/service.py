@@ -22,7 +22,7 @@ from aiohttp import web
 from router.admin import admin_application
 from router.app import PublicHandler
 from router.config import Config, ConfigError, load_config
-from router.control import ControlPolicy
+from router.control import ControlPolicy, ControlSession
 from router.control_server import ControlServer
 from router.core import CoreSettings, RouterCore
 from router.edge import EdgeServer
@@ -240,6 +240,7 @@ class RouterService:
             control_address=self.config.control.socket,
             on_exit=self._spawned_exited,
             secret=self.config.control.secret,
+            adopted_pid=self._lease_pid,
         )
         for spawned in self.spawner.workers:
             self.core.expect(spawned.worker_id)
@@ -285,6 +286,12 @@ class RouterService:
         )
         if worker is not None and worker.state is not WorkerState.EXITED:
             self.core.retire(worker, self._clock())
+
+    def _lease_pid(self, worker_id: str) -> int | None:
+        """The pid on the other end of a worker's control connection (Unix only)."""
+        worker = self.core.workers.get(worker_id)
+        session = worker.lease if worker is not None else None
+        return session.peer.pid if isinstance(session, ControlSession) else None
 
     def worker_pid(self, worker_id: str) -> int | None:
         """The pid of a worker this router spawned and runs now, else None."""

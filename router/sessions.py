@@ -198,9 +198,13 @@ class SessionReader:
                 return self._decide(kind, values, label, now)
         return None
 
-    def read_body(self, body: bytes, skip: frozenset[str] = frozenset()) -> SessionRef | None:
-        """Source 4: a JSON body field. A body that is not a JSON object, or lacks
-        the field, names no session (it is the worker's to judge, never a crash)."""
+    def read_body(
+        self, body: bytes, skip: frozenset[str] = frozenset()
+    ) -> SessionRef | Answer | None:
+        """Source 4: a JSON body field. A body that is not JSON, or lacks the field
+        (or has it null), names no session: it is the worker's to judge. A field that
+        is present decides, like any source: a value that cannot be a key is
+        `invalid_token`, never a fall-through to the path."""
         try:
             document = json.loads(body)
         except (ValueError, RecursionError):
@@ -212,12 +216,14 @@ class SessionReader:
                 value = json_pointer(document, kind.pointer)
             except LookupError:
                 continue
-            if isinstance(value, bool) or not isinstance(value, str | int):
+            if value is None:
                 continue
+            if isinstance(value, bool) or not isinstance(value, str | int):
+                return Answer("invalid_token", f"The body field {kind.pointer} is not a key.")
             try:
                 return SessionRef(kind.name, raw_session_key(str(value)))
-            except FormatError:
-                continue
+            except FormatError as exc:
+                return Answer(exc.code, exc.detail)
         return None
 
     def read_path(self, path: str, skip: frozenset[str] = frozenset()) -> SessionRef | None:

@@ -218,11 +218,14 @@ class Spawner:
         on_exit: Callable[[SpawnedWorker, int | None], None],
         extra_env: Mapping[str, str] | None = None,
         secret: str | None = None,
+        adopted_pid: Callable[[str], int | None] = lambda worker_id: None,
     ) -> None:
         _check_env(extra_env or {}, control_address, secret)
         self.spec = spec
         self.workers = plan_workers(spec)
         self._on_exit = on_exit
+        # The pid of a worker adopted from a previous run (we have no Process for it).
+        self._adopted_pid = adopted_pid
         self._argv = {w.worker_id: render_command(spec, w) for w in self.workers}
         self._env = {
             w.worker_id: _child_env(w, control_address, secret, extra_env or {})
@@ -268,7 +271,7 @@ class Spawner:
 
     async def _supervise(self, worker: SpawnedWorker, first_start: asyncio.Future[None]) -> None:
         try:
-            proc, started_at = await self._launch(worker)
+            proc, started_at = await self._launch(worker, first_start)
         finally:
             if not first_start.done():  # start() may have been cancelled meanwhile
                 first_start.set_result(None)
@@ -291,9 +294,11 @@ class Spawner:
             proc, started_at = await self._launch(worker)
 
     async def _launch(
-        self, worker: SpawnedWorker
+        self, worker: SpawnedWorker, first_start: asyncio.Future[None] | None = None
     ) -> tuple[asyncio.subprocess.Process | None, float]:
-        await self._adopt_while_listening(worker)
+        await self._adopt_while_listening(worker, first_start)
+        if self._stopping.is_set():
+            return None, time.monotonic()  # stopped while adopting: start nothing
         argv = self._argv[worker.worker_id]
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -309,13 +314,17 @@ class Spawner:
         logger.info("spawn: worker %s started, pid %d", worker.worker_id, proc.pid)
         return proc, time.monotonic()
 
-    async def _adopt_while_listening(self, worker: SpawnedWorker) -> None:
+    async def _adopt_while_listening(
+        self, worker: SpawnedWorker, first_start: asyncio.Future[None] | None
+    ) -> None:
         """While something listens on the worker's port, start nothing.
 
         After a router restart, the workers of the previous run are still there
         (each in its own session) and reconnect over the control socket: they
-        are adopted, not respawned. Once the port refuses connections, the
-        process that held it is gone and a new one starts.
+        are adopted, not respawned, and count as started. Once the port refuses
+        connections, the process that held it is gone and a new one starts. A
+        stop while adopting stops the adopted process (its pid comes from its
+        control connection) like one of our own.
         """
         said = False
         while not self._stopping.is_set() and await _port_listening(self.spec.host, worker.port):
@@ -326,8 +335,20 @@ class Spawner:
                     worker.port,
                 )
                 said = True
+                if first_start is not None and not first_start.done():
+                    first_start.set_result(None)
             if await self._stop_requested_within(ADOPT_POLL_S):
+                await self._stop_adopted(worker)
                 return
+
+    async def _stop_adopted(self, worker: SpawnedWorker) -> None:
+        pid = self._adopted_pid(worker.worker_id)
+        if pid is None:
+            logger.warning("spawn: worker %s: adopted, pid unknown: left running", worker.worker_id)
+            return
+        _signal_group(pid, signal.SIGTERM)
+        if not await _members_gone_by(pid, time.monotonic() + self.spec.stop_timeout_s):
+            _signal_group(pid, signal.SIGKILL)
 
     async def _wait_exit_or_stop(
         self, worker: SpawnedWorker, proc: asyncio.subprocess.Process
@@ -381,7 +402,13 @@ async def _group_gone_by(proc: asyncio.subprocess.Process, deadline: float) -> b
     except TimeoutError:
         return False
     # Bounded by the deadline: a wrapper's child may still be shutting down after its leader.
-    while _group_running(proc.pid):
+    return await _members_gone_by(proc.pid, deadline)
+
+
+async def _members_gone_by(pgid: int, deadline: float) -> bool:
+    """Poll until no member of group `pgid` runs; False at the deadline. Polling: the
+    kernel tells nobody but a parent when a process ends."""
+    while _group_running(pgid):
         if time.monotonic() >= deadline:
             return False
         await asyncio.sleep(GROUP_POLL_S)
