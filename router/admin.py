@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from router.config import ConfigError
-from router.workers import Worker
+from router.workers import Worker, WorkerState
 
 if TYPE_CHECKING:
     from router.service import RouterService
@@ -76,12 +76,14 @@ async def _readyz(request: web.Request) -> web.Response:
     core = request.app[_SERVICE].core
     recovering = core.recovering(time.monotonic())
     ready = recovering or core.workers.any_live()
-    body = {"ready": ready, "recovering": recovering, "live_workers": _live_count(core.workers)}
+    workers = list(core.workers)
+    body = {
+        "ready": ready,
+        "recovering": recovering,
+        "live_workers": sum(1 for w in workers if w.state is WorkerState.LIVE),
+        "accepting_workers": sum(1 for w in workers if w.accepts_new_sessions),
+    }
     return web.json_response(body, status=200 if ready else 503)
-
-
-def _live_count(workers: Any) -> int:
-    return sum(1 for w in workers if w.accepts_new_sessions)
 
 
 def worker_view(worker: Worker, held: int, pid: int | None = None) -> dict[str, Any]:

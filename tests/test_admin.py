@@ -59,7 +59,7 @@ async def test_readyz_is_200_while_recovering_even_with_no_worker(rig: Rig) -> N
     reply = await rig.admin("GET", "/readyz")
     assert (reply.status, reply.json()) == (
         200,
-        {"ready": True, "recovering": True, "live_workers": 0},
+        {"ready": True, "recovering": True, "live_workers": 0, "accepting_workers": 0},
     )
 
 
@@ -68,14 +68,14 @@ async def test_readyz_is_503_with_no_live_worker_once_recovery_is_over(rig: Rig)
     reply = await rig.admin("GET", "/readyz")
     assert (reply.status, reply.json()) == (
         503,
-        {"ready": False, "recovering": False, "live_workers": 0},
+        {"ready": False, "recovering": False, "live_workers": 0, "accepting_workers": 0},
     )
 
     worker = await rig.add_worker("w0", lease="raw")
     reply = await rig.admin("GET", "/readyz")
     assert (reply.status, reply.json()) == (
         200,
-        {"ready": True, "recovering": False, "live_workers": 1},
+        {"ready": True, "recovering": False, "live_workers": 1, "accepting_workers": 1},
     )
 
     assert worker.lease is not None
