@@ -1,13 +1,15 @@
-"""The worker side of the control socket (DESIGN §3), and the boot check for worker apps.
+"""The worker side of the control socket (DESIGN §3).
 
 This module owns a worker's half of the control protocol: the hello, claims and
 releases, a ping whenever the connection is idle, reconnects with the same boot,
 and the sync after every hello, the first one included, that declares what this
 worker holds (an empty set on a fresh worker): a restarted router restores its
-view from it and counts the worker as recovered. It also owns the boot check:
-the router forwards a lost worker's episodes with `X-Episode-Router-Boot`, and a
-worker answers 410 itself when that boot is not its own, so a process restarted
-on the same port never serves a dead one's episodes.
+view from it and counts the worker as recovered.
+
+The pure line helpers live in `router.client_protocol` and the boot check for
+worker apps (`X-Episode-Router-Boot`, answered 410 by a worker that is not the
+boot the router meant) in `router.boot`; both are re-exported here, so a worker
+imports everything it needs from this module.
 
 It must never make routing decisions, never write a boot value or the shared
 secret to a log, and never leave a caller waiting once `stop()` has run.
@@ -17,17 +19,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import logging
 import os
 import secrets
-from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from typing import Any
 
-from aiohttp import web
-from aiohttp.typedefs import Handler, Middleware
+from router.boot import (
+    BOOT_HEADER,
+    ASGIBootMiddleware,
+    aiohttp_boot_middleware,
+    boot_mismatch_answer,
+)
+
+# The ASGI type aliases and SYNC_BATCH_CLAIMS are not in __all__ but were importable
+# from this module before the split; the `X as X` form keeps them exported.
+from router.boot import ASGIApp as ASGIApp
+from router.boot import ASGIMessage as ASGIMessage
+from router.boot import ASGIReceive as ASGIReceive
+from router.boot import ASGIScope as ASGIScope
+from router.boot import ASGISend as ASGISend
+from router.client_protocol import (
+    MAX_LINE_BYTES,
+    PROTOCOL_VERSION,
+    ControlAddress,
+    Reply,
+    decode_reply,
+    encode_line,
+    parse_control_address,
+    sync_messages,
+)
+from router.client_protocol import SYNC_BATCH_CLAIMS as SYNC_BATCH_CLAIMS
 
 __all__ = [
     "BOOT_HEADER",
@@ -44,12 +66,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
-BOOT_HEADER = "X-Episode-Router-Boot"
-# The contract's line limit; the router closes a connection that sends a longer line.
-MAX_LINE_BYTES = 1 << 20
-# The contract's cap on claims per sync message.
-SYNC_BATCH_CLAIMS = 1000
 # The router declares a peer silent after 5 s without a line (DESIGN §3).
 MAX_PING_INTERVAL_S = 5.0
 # First reconnect delay; doubles up to `reconnect_max_s`.
@@ -58,8 +74,6 @@ RECONNECT_START_S = 0.05
 CONNECT_TIMEOUT_S = 5.0
 # How long `stop()` waits for the router to acknowledge `bye`.
 BYE_TIMEOUT_S = 1.0
-
-Reply = dict[str, object]
 
 
 class ControlError(Exception):
@@ -80,88 +94,6 @@ class ControlError(Exception):
         """The error for an `ok:false` reply (code `unknown_error` when it names none)."""
         error = reply.get("error")
         return cls(error if isinstance(error, str) else "unknown_error", reply)
-
-
-# --- pure protocol helpers -------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ControlAddress:
-    """Where the router's control socket listens: a Unix path or a loopback TCP port."""
-
-    scheme: Literal["unix", "tcp"]
-    path: str = ""
-    host: str = ""
-    port: int = 0
-
-
-def parse_control_address(address: str) -> ControlAddress:
-    """Parse `unix:/path` or `tcp://host:port`; raises ValueError naming the bad value."""
-    if address.startswith("unix:"):
-        path = address.removeprefix("unix:")
-        if not path:
-            raise ValueError(f"control address {address!r} names no socket path")
-        return ControlAddress("unix", path=path)
-    if address.startswith("tcp://"):
-        host, sep, port_text = address.removeprefix("tcp://").rpartition(":")
-        host = host.removeprefix("[").removesuffix("]")
-        if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-            raise ValueError(f"control address {address!r} must be tcp://host:port")
-        return ControlAddress("tcp", host=host, port=int(port_text))
-    raise ValueError(f"control address {address!r} must be unix:/path or tcp://host:port")
-
-
-def encode_line(message: Mapping[str, object]) -> bytes:
-    """One NDJSON line: compact UTF-8 JSON and a trailing newline."""
-    text = json.dumps(message, separators=(",", ":"), ensure_ascii=False)
-    return text.encode() + b"\n"
-
-
-def decode_reply(line: bytes) -> Reply | None:
-    """The JSON object on `line`, or None when it is not one."""
-    try:
-        value = json.loads(line)
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def sync_messages(
-    claims: Iterable[tuple[str, str]], *, batch: int = SYNC_BATCH_CLAIMS
-) -> list[Reply]:
-    """The `sync` messages (without ids) that declare `claims`, (kind, key) pairs, in full.
-
-    Each message carries at most `batch` claims and stays well under the line
-    limit; all but the last say `more: true`. An empty set is one empty sync.
-    """
-    budget = MAX_LINE_BYTES // 2  # leaves room for the envelope and JSON escapes
-    batches: list[list[dict[str, str]]] = [[]]
-    size = 0
-    for kind, key in sorted(set(claims)):
-        cost = len(kind.encode()) + len(key.encode()) + 24
-        if len(batches[-1]) >= batch or (batches[-1] and size + cost > budget):
-            batches.append([])
-            size = 0
-        batches[-1].append({"kind": kind, "key": key})
-        size += cost
-    last = len(batches) - 1
-    return [{"op": "sync", "claims": part, "more": i < last} for i, part in enumerate(batches)]
-
-
-def boot_mismatch_answer(
-    boot: str, header_value: str | None
-) -> tuple[int, dict[str, object]] | None:
-    """The 410 a worker answers when the router forwarded a request meant for another boot.
-
-    None when the request carries no boot header or carries this process's own.
-    The answer never shows either boot value.
-    """
-    if header_value is None:
-        return None
-    if hmac.compare_digest(header_value.encode(), boot.encode()):
-        return None
-    detail = "The worker process that held this session is no longer running."
-    return 410, {"error": "worker_exited", "detail": detail, "session": None}
 
 
 # --- the client ------------------------------------------------------------------------------
@@ -588,59 +520,3 @@ class ControlClient:
         self._fail_all(ControlError("client_stopped"))
         if self._first_hello is not None and not self._first_hello.done():
             self._first_hello.set_exception(ControlError("client_stopped"))
-
-
-# --- the boot check ---------------------------------------------------------------------------
-
-
-def aiohttp_boot_middleware(boot: str) -> Middleware:
-    """An aiohttp middleware answering 410 `worker_exited` for a request meant for another boot."""
-
-    @web.middleware
-    async def check_boot(request: web.Request, handler: Handler) -> web.StreamResponse:
-        for value in request.headers.getall(BOOT_HEADER, []):
-            answer = boot_mismatch_answer(boot, value)
-            if answer is not None:
-                return web.json_response(answer[1], status=answer[0])
-        return await handler(request)
-
-    return check_boot
-
-
-ASGIScope = MutableMapping[str, Any]
-ASGIMessage = MutableMapping[str, Any]
-ASGIReceive = Callable[[], Awaitable[ASGIMessage]]
-ASGISend = Callable[[ASGIMessage], Awaitable[None]]
-ASGIApp = Callable[[ASGIScope, ASGIReceive, ASGISend], Awaitable[None]]
-
-_BOOT_HEADER_RAW = BOOT_HEADER.lower().encode()
-
-
-class ASGIBootMiddleware:
-    """Wraps an ASGI app: HTTP requests meant for another boot get 410 `worker_exited`.
-
-    Other scopes (lifespan, websocket) pass through: the router never tunnels
-    an upgrade, so a websocket never arrives through it.
-    """
-
-    def __init__(self, app: ASGIApp, boot: str) -> None:
-        self.app = app
-        self.boot = boot
-
-    async def __call__(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
-        if scope["type"] == "http":
-            for name, value in scope.get("headers", ()):
-                if name.lower() != _BOOT_HEADER_RAW:
-                    continue
-                answer = boot_mismatch_answer(self.boot, value.decode("latin-1"))
-                if answer is not None:
-                    await _send_json(send, *answer)
-                    return
-        await self.app(scope, receive, send)
-
-
-async def _send_json(send: ASGISend, status: int, body: Mapping[str, object]) -> None:
-    payload = json.dumps(body, separators=(",", ":")).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})

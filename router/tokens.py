@@ -5,6 +5,10 @@ verification with the edge key, and minting for workers. It is pure: it must
 never import asyncio or aiohttp, read a clock (callers pass ``now``), log, or
 touch the network. Every malformed or forged token becomes a :class:`TokenError`
 carrying its answer code; no other exception escapes :func:`parse_token`.
+
+The keys (:class:`TokenVerifier`, :class:`SigningKey`) live in
+:mod:`router.token_keys` and :class:`TokenError` in :mod:`router.token_errors`;
+both are re-exported here, so callers import everything from this module.
 """
 
 # Why base64 and JSON are handled the way they are (parse_token runs on every request):
@@ -26,34 +30,25 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hmac
 import json
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any, Final, Literal, NoReturn
+from typing import Any, Final, NoReturn
 
-from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, ed25519
-from cryptography.hazmat.primitives.asymmetric.utils import (
-    decode_dss_signature,
-    encode_dss_signature,
-)
+from router.token_errors import TokenError as TokenError
+from router.token_errors import TokenErrorCode as TokenErrorCode
+from router.token_errors import _show
+from router.token_keys import _SIGNATURE_BYTES
+from router.token_keys import ALGORITHMS as ALGORITHMS
+from router.token_keys import MIN_HS256_SECRET_BYTES as MIN_HS256_SECRET_BYTES
+from router.token_keys import SigningKey as SigningKey
+from router.token_keys import TokenVerifier as TokenVerifier
 
 MAX_TOKEN_BYTES: Final = 4096  # DESIGN §2 ("at most 4 KiB"); bounds the cost of every parse
 MAX_EP_CHARS: Final = 128  # DESIGN §2: keeps episode keys short in the claim table and logs
 MAX_ATT: Final = 1_000_000  # DESIGN §2: far beyond any real retry count
 MAX_NONCE_CHARS: Final = 256  # a 128-bit nonce needs 22 characters; 256 leaves room for any scheme
-MIN_HS256_SECRET_BYTES: Final = 32  # RFC 7518 §3.2: the key must be at least the hash size
-
-ALGORITHMS: Final = ("HS256", "EdDSA", "ES256")
-_SIGNATURE_BYTES: Final = {"HS256": 32, "EdDSA": 64, "ES256": 64}  # ES256 is raw r||s
-_ECDSA_SHA256: Final = ec.ECDSA(hashes.SHA256())
-
-TokenErrorCode = Literal["invalid_token", "bad_signature"]
-_PublicKey = ed25519.Ed25519PublicKey | ec.EllipticCurvePublicKey
-_PrivateKey = ed25519.Ed25519PrivateKey | ec.EllipticCurvePrivateKey
 
 _B64 = "[A-Za-z0-9_-]"
 # Non-empty, unpadded, canonical: a 2-char tail ends in a char whose low 4 bits are 0,
@@ -68,31 +63,6 @@ _PADDING: Final = (b"", b"", b"==", b"=")  # indexed by len % 4; 1 never reaches
 _FROM_URLSAFE: Final = bytes.maketrans(b"-_", b"+/")
 _SEGMENT_NAMES: Final = ("header", "payload", "signature")
 _MISSING: Final = object()
-
-
-class TokenError(Exception):
-    """A token the router refuses.
-
-    ``code`` is ``invalid_token`` (HTTP 401: malformed, wrong types, expired) or
-    ``bad_signature`` (HTTP 403: the signature or its alg fails edge verification);
-    ``detail`` is one human sentence for the answer body.
-    """
-
-    code: TokenErrorCode
-    detail: str
-
-    def __init__(self, code: TokenErrorCode, detail: str) -> None:
-        super().__init__(code, detail)  # both in args, so the error pickles intact
-        self.code = code
-        self.detail = detail
-
-    def __str__(self) -> str:
-        return self.detail
-
-    @property
-    def status(self) -> int:
-        """The HTTP status of the router's answer: 401 or 403."""
-        return 401 if self.code == "invalid_token" else 403
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,141 +86,6 @@ class EpisodeToken:
 def episode_key(ep: str, att: int) -> str:
     """Return the claim-table key of attempt ``att`` of episode ``ep``."""
     return f"{ep}-a{att}"
-
-
-class TokenVerifier:
-    """The edge verification key. ``alg`` is ``HS256``, ``EdDSA`` or ``ES256``.
-
-    Build one with :meth:`hs256`, :meth:`from_public_pem` or :meth:`from_config`.
-    """
-
-    __slots__ = ("_key", "alg")
-
-    def __init__(self, alg: str, key: bytes | _PublicKey) -> None:
-        self.alg = alg
-        self._key = key
-
-    def __repr__(self) -> str:
-        return f"TokenVerifier(alg={self.alg!r})"
-
-    @classmethod
-    def hs256(cls, secret: bytes) -> TokenVerifier:
-        """Verify HS256 tokens with a shared secret; ValueError if it is under 32 bytes."""
-        return cls("HS256", _check_secret(secret))
-
-    @classmethod
-    def from_public_pem(cls, pem: bytes) -> TokenVerifier:
-        """Verify with an Ed25519 (EdDSA) or EC P-256 (ES256) public key in PEM.
-
-        Raises ValueError for anything else, naming what was found.
-        """
-        try:
-            key = serialization.load_pem_public_key(pem)
-        except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
-            raise ValueError(f"not a PEM public key the router can read ({exc})") from None
-        if isinstance(key, ed25519.Ed25519PublicKey):
-            return cls("EdDSA", key)
-        if isinstance(key, ec.EllipticCurvePublicKey):
-            _check_curve(key.curve)
-            return cls("ES256", key)
-        raise ValueError(f"{_key_type(key)} keys are not supported; {_KEY_ADVICE}")
-
-    @classmethod
-    def from_config(cls, alg: str, material: bytes) -> TokenVerifier:
-        """Build the verifier a config names: an HS256 secret, or an EdDSA/ES256 PEM key.
-
-        Raises ValueError if ``alg`` is unknown or the key is not for ``alg``.
-        """
-        if alg == "HS256":
-            return cls.hs256(material)
-        if alg not in ALGORITHMS:
-            raise ValueError(f"alg must be one of {', '.join(ALGORITHMS)}, not {_show(alg)}")
-        verifier = cls.from_public_pem(material)
-        if verifier.alg != alg:
-            raise ValueError(f"alg is {alg} but the PEM key is for {verifier.alg}")
-        return verifier
-
-    def verify(self, alg: str, signing_input: bytes, signature: bytes) -> None:
-        """Check ``signature`` over ``signing_input``; the token's ``alg`` must be ours.
-
-        Raises TokenError('bad_signature') on an alg mismatch, a wrong-length
-        signature or a signature that does not verify.
-        """
-        if alg != self.alg:
-            detail = f"The token is signed with {_show(alg)} but the router verifies {self.alg}."
-            raise TokenError("bad_signature", detail)
-        expected = _SIGNATURE_BYTES[alg]
-        if len(signature) != expected:
-            detail = f"An {alg} signature is {expected} bytes long, not {len(signature)}."
-            raise TokenError("bad_signature", detail)
-        if not _signature_matches(self._key, signing_input, signature):
-            raise TokenError("bad_signature", "The token's signature does not match the key.")
-
-
-class SigningKey:
-    """A worker's key for minting tokens. ``alg`` is ``HS256``, ``EdDSA`` or ``ES256``."""
-
-    __slots__ = ("_key", "alg")
-
-    def __init__(self, alg: str, key: bytes | _PrivateKey) -> None:
-        self.alg = alg
-        self._key = key
-
-    def __repr__(self) -> str:
-        return f"SigningKey(alg={self.alg!r})"
-
-    @classmethod
-    def hs256(cls, secret: bytes) -> SigningKey:
-        """Sign HS256 tokens with a shared secret; ValueError if it is under 32 bytes."""
-        return cls("HS256", _check_secret(secret))
-
-    @classmethod
-    def from_private_pem(cls, pem: bytes) -> SigningKey:
-        """Sign with an unencrypted Ed25519 or EC P-256 private key in PEM; ValueError otherwise."""
-        try:
-            key = serialization.load_pem_private_key(pem, password=None)
-        except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
-            raise ValueError(f"not an unencrypted PEM private key ({exc})") from None
-        if isinstance(key, ed25519.Ed25519PrivateKey):
-            return cls("EdDSA", key)
-        if isinstance(key, ec.EllipticCurvePrivateKey):
-            _check_curve(key.curve)
-            return cls("ES256", key)
-        raise ValueError(f"{_key_type(key)} keys are not supported; {_KEY_ADVICE}")
-
-    @classmethod
-    def generate(cls, alg: str) -> SigningKey:
-        """A fresh random key: 32 secret bytes for HS256, else a new key pair."""
-        if alg == "HS256":
-            return cls(alg, secrets.token_bytes(MIN_HS256_SECRET_BYTES))
-        if alg == "EdDSA":
-            return cls(alg, ed25519.Ed25519PrivateKey.generate())
-        if alg == "ES256":
-            return cls(alg, ec.generate_private_key(ec.SECP256R1()))
-        raise ValueError(f"alg must be one of {', '.join(ALGORITHMS)}, not {_show(alg)}")
-
-    def public_pem(self) -> bytes | None:
-        """The public key in PEM (SubjectPublicKeyInfo) for edge verification; None for HS256."""
-        if isinstance(self._key, bytes):
-            return None
-        return self._key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-
-    def verifier(self) -> TokenVerifier:
-        """The TokenVerifier that accepts this key's signatures."""
-        key = self._key
-        return TokenVerifier(self.alg, key if isinstance(key, bytes) else key.public_key())
-
-    def sign(self, signing_input: bytes) -> bytes:
-        """The JWS signature of ``signing_input`` (ES256 as raw 32-byte r || 32-byte s)."""
-        key = self._key
-        if isinstance(key, bytes):
-            return hmac.digest(key, signing_input, "sha256")
-        if isinstance(key, ed25519.Ed25519PrivateKey):
-            return key.sign(signing_input)
-        r, s = decode_dss_signature(key.sign(signing_input, _ECDSA_SHA256))
-        return r.to_bytes(32, "big") + s.to_bytes(32, "big")
 
 
 def parse_token(token: str, *, now: float, verifier: TokenVerifier | None = None) -> EpisodeToken:
@@ -520,8 +355,6 @@ def _type_problem(value: object, wanted: str) -> str:
 
 
 # --- helpers ---------------------------------------------------------------------------
-
-_KEY_ADVICE: Final = "use an Ed25519 key (EdDSA) or an EC P-256 key (ES256)"
 _JSON_TYPES: Final = {
     bool: "a boolean",
     int: "an integer",
@@ -539,43 +372,3 @@ def _invalid(detail: str) -> TokenError:
 
 def _json_type(value: object) -> str:
     return _JSON_TYPES.get(type(value), f"a {type(value).__name__}")
-
-
-def _show(value: object) -> str:
-    """A short repr of a peer's value for a detail sentence: never echo 4 KiB back."""
-    text = repr(value)
-    return text if len(text) <= 40 else f"{text[:37]}..."
-
-
-def _check_secret(secret: bytes) -> bytes:
-    if not isinstance(secret, bytes):
-        raise TypeError(f"an HS256 secret must be bytes, not {type(secret).__name__}")
-    if len(secret) < MIN_HS256_SECRET_BYTES:
-        raise ValueError(
-            f"an HS256 secret must be at least {MIN_HS256_SECRET_BYTES} bytes (RFC 7518 §3.2),"
-            f" not {len(secret)}"
-        )
-    return secret
-
-
-def _check_curve(curve: ec.EllipticCurve) -> None:
-    if not isinstance(curve, ec.SECP256R1):
-        raise ValueError(f"an EC key on {curve.name} is not supported; ES256 needs P-256")
-
-
-def _key_type(key: object) -> str:
-    return type(key).__name__.lstrip("_")
-
-
-def _signature_matches(key: bytes | _PublicKey, signing_input: bytes, signature: bytes) -> bool:
-    if isinstance(key, bytes):
-        return hmac.compare_digest(hmac.digest(key, signing_input, "sha256"), signature)
-    try:
-        if isinstance(key, ed25519.Ed25519PublicKey):
-            key.verify(signature, signing_input)
-        else:
-            r, s = int.from_bytes(signature[:32], "big"), int.from_bytes(signature[32:], "big")
-            key.verify(encode_dss_signature(r, s), signing_input, _ECDSA_SHA256)
-    except InvalidSignature:
-        return False
-    return True

@@ -1,0 +1,87 @@
+"""The control protocol's wire format on the worker side (DESIGN §3): pure line helpers.
+
+This module owns what a worker needs to speak the protocol: its version and
+limits, the control address syntax (`unix:/path` or `tcp://host:port`), NDJSON
+line encoding and reply decoding, and splitting a worker's claims into `sync`
+messages that stay under the line limit. `router.client` re-exports it.
+
+It is pure: it must never import asyncio or aiohttp, open a socket, or log.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+PROTOCOL_VERSION = 1
+# The contract's line limit; the router closes a connection that sends a longer line.
+MAX_LINE_BYTES = 1 << 20
+# The contract's cap on claims per sync message.
+SYNC_BATCH_CLAIMS = 1000
+
+Reply = dict[str, object]
+
+
+@dataclass(frozen=True, slots=True)
+class ControlAddress:
+    """Where the router's control socket listens: a Unix path or a loopback TCP port."""
+
+    scheme: Literal["unix", "tcp"]
+    path: str = ""
+    host: str = ""
+    port: int = 0
+
+
+def parse_control_address(address: str) -> ControlAddress:
+    """Parse `unix:/path` or `tcp://host:port`; raises ValueError naming the bad value."""
+    if address.startswith("unix:"):
+        path = address.removeprefix("unix:")
+        if not path:
+            raise ValueError(f"control address {address!r} names no socket path")
+        return ControlAddress("unix", path=path)
+    if address.startswith("tcp://"):
+        host, sep, port_text = address.removeprefix("tcp://").rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise ValueError(f"control address {address!r} must be tcp://host:port")
+        return ControlAddress("tcp", host=host, port=int(port_text))
+    raise ValueError(f"control address {address!r} must be unix:/path or tcp://host:port")
+
+
+def encode_line(message: Mapping[str, object]) -> bytes:
+    """One NDJSON line: compact UTF-8 JSON and a trailing newline."""
+    text = json.dumps(message, separators=(",", ":"), ensure_ascii=False)
+    return text.encode() + b"\n"
+
+
+def decode_reply(line: bytes) -> Reply | None:
+    """The JSON object on `line`, or None when it is not one."""
+    try:
+        value = json.loads(line)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def sync_messages(
+    claims: Iterable[tuple[str, str]], *, batch: int = SYNC_BATCH_CLAIMS
+) -> list[Reply]:
+    """The `sync` messages (without ids) that declare `claims`, (kind, key) pairs, in full.
+
+    Each message carries at most `batch` claims and stays well under the line
+    limit; all but the last say `more: true`. An empty set is one empty sync.
+    """
+    budget = MAX_LINE_BYTES // 2  # leaves room for the envelope and JSON escapes
+    batches: list[list[dict[str, str]]] = [[]]
+    size = 0
+    for kind, key in sorted(set(claims)):
+        cost = len(kind.encode()) + len(key.encode()) + 24
+        if len(batches[-1]) >= batch or (batches[-1] and size + cost > budget):
+            batches.append([])
+            size = 0
+        batches[-1].append({"kind": kind, "key": key})
+        size += cost
+    last = len(batches) - 1
+    return [{"op": "sync", "claims": part, "more": i < last} for i, part in enumerate(batches)]

@@ -1,0 +1,79 @@
+"""Configuration: the YAML file of DESIGN §5 turned into frozen dataclasses.
+
+This package owns the file's shape, its defaults and every check on it. An
+unknown key, a wrong type or a bad value is a `ConfigError` that names the
+file, the key path and the reason, raised before anything starts.
+`parse_config` is pure: environment variables and file reads are injected.
+`load_config` is the thin I/O wrapper around it.
+
+Everything public is imported from here (`from router.config import Config`);
+the modules behind it, each owning one part:
+
+- `errors`: `ConfigError` and how keys and values are worded in its messages.
+- `model`: the frozen dataclasses and their defaults.
+- `parse`: `parse_config`, `load_config`, `default_config` and the strict YAML loader.
+- `reader`: `_Section`, typed reads of one mapping from the file.
+- `sections`: the top-level sections other than `sessions`, and the whole `Config`.
+- `sessions`: session kinds, their key sources and routes.
+- `addresses`: hosts, upstream URLs, control sockets and listener clashes.
+- `secrets`: `*_env` / `*_file` secrets and public key files.
+
+None of it may open a socket, start a task or log, or put a secret's value in
+an error message.
+"""
+
+from router.config.errors import ConfigError
+from router.config.model import (
+    AdminConfig,
+    BodyFieldConfig,
+    ClaimsConfig,
+    Config,
+    ControlConfig,
+    CookieSourceConfig,
+    HealthConfig,
+    LearnConfig,
+    LimitsConfig,
+    ListenConfig,
+    LogConfig,
+    McpSourceConfig,
+    PathSourceConfig,
+    RouteConfig,
+    SessionKindConfig,
+    SignatureConfig,
+    SpawnConfig,
+    StateConfig,
+    StaticWorkerConfig,
+    TimeoutsConfig,
+    TokenFormatConfig,
+    VerifyConfig,
+)
+from router.config.parse import default_config, load_config, parse_config
+
+__all__ = [
+    "AdminConfig",
+    "BodyFieldConfig",
+    "ClaimsConfig",
+    "Config",
+    "ConfigError",
+    "ControlConfig",
+    "CookieSourceConfig",
+    "HealthConfig",
+    "LearnConfig",
+    "LimitsConfig",
+    "ListenConfig",
+    "LogConfig",
+    "McpSourceConfig",
+    "PathSourceConfig",
+    "RouteConfig",
+    "SessionKindConfig",
+    "SignatureConfig",
+    "SpawnConfig",
+    "StateConfig",
+    "StaticWorkerConfig",
+    "TimeoutsConfig",
+    "TokenFormatConfig",
+    "VerifyConfig",
+    "default_config",
+    "load_config",
+    "parse_config",
+]

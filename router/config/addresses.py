@@ -1,0 +1,140 @@
+"""Address checks: hosts, upstream URLs, control socket specs and listener clashes.
+
+This module owns what the configuration accepts as a host, an upstream
+(`http://host:port` or `unix:/absolute/path`) and a control socket (`unix:PATH`
+or a loopback `tcp://HOST:PORT`), and the check that no two listeners or
+spawned ports share an address and no static worker sits on one of them.
+
+It must never resolve a name, open a socket or bind a port: every check reads
+the text alone.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import TYPE_CHECKING, Final, NamedTuple
+
+from router.config.errors import _quote
+
+if TYPE_CHECKING:  # only annotations: both modules import this one
+    from router.config.model import Config
+    from router.config.reader import _Context
+
+_UNIX: Final = "unix:"
+_TCP: Final = "tcp://"
+_HTTP: Final = "http://"
+_HOSTNAME: Final = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,251}[A-Za-z0-9_])?")
+_MAX_SUN_PATH: Final = 107  # sockaddr_un.sun_path is 108 bytes with the trailing NUL
+_WILDCARDS: Final = frozenset({"0.0.0.0", "::"})
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_host(host: str) -> bool:
+    return _is_ip(host) or _HOSTNAME.fullmatch(host) is not None
+
+
+def _is_loopback(host: str) -> bool:
+    return host.lower() == "localhost" or (_is_ip(host) and ipaddress.ip_address(host).is_loopback)
+
+
+def _split_host_port(text: str) -> tuple[str, int] | None:
+    """ "host:port" or "[v6]:port" split, or None when malformed; the port is not range-checked."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not (port.isascii() and port.isdigit()) or len(port) > 5:
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        return (host, int(port)) if ":" in host and _is_ip(host) else None
+    return (host, int(port)) if ":" not in host and _is_host(host) else None
+
+
+def _unix_path_problem(path: str) -> str | None:
+    if not path or "\0" in path:
+        return "a unix: socket needs a path"
+    if len(path.encode("utf-8", "surrogateescape")) > _MAX_SUN_PATH:
+        return f"unix socket path longer than {_MAX_SUN_PATH} bytes"
+    return None
+
+
+def _upstream_problem(url: str) -> str | None:
+    """Why `url` is not "http://host:port" or "unix:/absolute/path", or None."""
+    expected = f"expected http://host:port or unix:/absolute/path, got {_quote(url)}"
+    if url.startswith(_UNIX):
+        path = url[len(_UNIX) :]
+        return expected if not path.startswith("/") else _unix_path_problem(path)
+    address = _split_host_port(url[len(_HTTP) :]) if url.startswith(_HTTP) else None
+    return expected if address is None or not 1 <= address[1] <= 65535 else None
+
+
+def _control_socket_problem(spec: str) -> str | None:
+    if spec.startswith(_UNIX):
+        return _unix_path_problem(spec[len(_UNIX) :])
+    address = _split_host_port(spec[len(_TCP) :]) if spec.startswith(_TCP) else None
+    if address is None or not 1 <= address[1] <= 65535:
+        return f"expected unix:PATH or tcp://HOST:PORT, got {_quote(spec)}"
+    if not _is_loopback(address[0]):
+        return (
+            f"a tcp:// control socket must be on loopback (127.0.0.0/8, ::1, localhost), "
+            f"got {_quote(address[0])}: the control protocol is not encrypted"
+        )
+    return None
+
+
+class _Bound(NamedTuple):
+    """A port range the router binds or starts a process on."""
+
+    key_path: str
+    host: str
+    first: int
+    last: int
+
+
+def _hosts_clash(bound_host: str, host: str, *, wildcard_clashes_any: bool) -> bool:
+    a, b = bound_host.lower(), host.lower()
+    if a in _WILDCARDS and (wildcard_clashes_any or _is_loopback(b) or b in _WILDCARDS):
+        return True
+    if b in _WILDCARDS and wildcard_clashes_any:
+        return True
+    aliases = {"localhost", "127.0.0.1", "::1"}
+    return a == b or (a == "localhost" and b in aliases) or (b == "localhost" and a in aliases)
+
+
+def _bound_ranges(config: Config) -> list[_Bound]:
+    bound = [
+        _Bound("listen.port", config.listen.host, config.listen.port, config.listen.port),
+        _Bound("admin.port", config.admin.host, config.admin.port, config.admin.port),
+    ]
+    tcp = config.control.tcp_address
+    if tcp is not None:
+        bound.append(_Bound("control.socket", tcp[0], tcp[1], tcp[1]))
+    if config.spawn is not None:
+        spawn = config.spawn
+        last = spawn.base_port + spawn.count - 1
+        bound.append(_Bound("spawn.base_port", spawn.host, spawn.base_port, last))
+    return [b for b in bound if b.first != 0]  # port 0: the kernel picks a free port
+
+
+def _check_addresses(ctx: _Context, config: Config) -> None:
+    """No two listeners (or spawned ports) on one address, and no worker at one of them."""
+    bound = _bound_ranges(config)
+    for i, later in enumerate(bound):
+        for earlier in bound[:i]:
+            ports = earlier.first <= later.last and later.first <= earlier.last
+            if ports and _hosts_clash(earlier.host, later.host, wildcard_clashes_any=True):
+                raise ctx.fail(later.key_path, f"address clashes with {earlier.key_path}")
+    for i, worker in enumerate(config.workers):
+        if not worker.url.startswith(_HTTP):
+            continue
+        host, port = _split_host_port(worker.url[len(_HTTP) :]) or ("", 0)
+        for b in bound:
+            clash = _hosts_clash(b.host, host, wildcard_clashes_any=False)
+            if clash and b.first <= port <= b.last:
+                raise ctx.fail(f"workers[{i}].url", f"is the router's own {b.key_path} address")

@@ -1,0 +1,316 @@
+"""The configuration's shape: a frozen dataclass for every section, and every default.
+
+This module owns what a `Config` holds and each field's default, each with a
+one-line reason. The dataclasses are plain values: the checks on a file's
+values live in the parsing modules (`router.config.parse` and those it calls).
+
+It must never read a file or the environment, and never parse or check a value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from router.config.addresses import _TCP, _UNIX, _split_host_port
+
+
+@dataclass(frozen=True, slots=True)
+class ListenConfig:
+    """The public listener that agents connect to. Port 0 picks a free port."""
+
+    # Agents reach the router from other hosts and containers.
+    host: str = "0.0.0.0"
+    # The usual unprivileged HTTP port.
+    port: int = 8080
+
+
+@dataclass(frozen=True, slots=True)
+class AdminConfig:
+    """The admin listener (metrics, health, drain). Port 0 picks a free port."""
+
+    # The admin API can drain workers, so it stays private unless an operator opts in.
+    host: str = "127.0.0.1"
+    # Envoy's admin port, familiar to operators of sidecars.
+    port: int = 9901
+    # Loopback needs no token; any other host requires one (from token_env / token_file).
+    token: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ControlConfig:
+    """The control socket workers claim episodes on (DESIGN §3)."""
+
+    # A Unix socket authenticates workers by uid, with no secret to distribute.
+    socket: str = "unix:/run/episode-router/control.sock"
+    # Only the router's own uid may say hello unless others are listed.
+    allowed_uids: tuple[int, ...] = ()
+    # Loopback and unix: upstreams only, so a worker cannot point the router elsewhere.
+    allowed_upstreams: tuple[str, ...] = ()
+    # A Unix socket needs none; a tcp:// socket requires one (from secret_env / secret_file).
+    secret: str | None = None
+    # Three missed 5 s pings: long enough to ride out a GC pause, short enough to notice a hang.
+    lease_timeout_s: float = 15.0
+    # One ping interval: a client that reconnects at once keeps its episodes.
+    reconnect_grace_s: float = 5.0
+
+    @property
+    def unix_path(self) -> str | None:
+        """The Unix socket path, or None when the socket is TCP."""
+        return self.socket[len(_UNIX) :] if self.socket.startswith(_UNIX) else None
+
+    @property
+    def tcp_address(self) -> tuple[str, int] | None:
+        """The (host, port) of a tcp:// socket, or None when the socket is Unix."""
+        return _split_host_port(self.socket[len(_TCP) :]) if self.socket.startswith(_TCP) else None
+
+
+@dataclass(frozen=True, slots=True)
+class StaticWorkerConfig:
+    """A worker the router health-probes; it never speaks on the control socket."""
+
+    id: str
+    url: str
+
+
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    """How static and spawned workers are probed."""
+
+    # The path most HTTP servers (NeMo Gym's included) already answer.
+    path: str = "/health"
+    # A worker that exits is noticed within about two seconds.
+    interval_s: float = 1.0
+    # A live local worker answers a probe in milliseconds.
+    timeout_s: float = 1.0
+    # One lost probe is not an exit.
+    failures: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnConfig:
+    """Worker processes the router starts itself, one per port."""
+
+    command: str
+    # One worker unless asked for more.
+    count: int = 1
+    # Next to the admin port, clear of common service ports.
+    base_port: int = 9001
+    # Spawned workers are private to this host.
+    host: str = "127.0.0.1"
+    # Time to finish in-flight calls after SIGTERM before SIGKILL.
+    stop_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyConfig:
+    """Edge verification of episode tokens: an HS256 secret or a PEM public key."""
+
+    alg: str
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SignatureConfig:
+    """Edge check of an itsdangerous or Starlette signature with the server's own secret key."""
+
+    # Any length: Starlette's secret_key and itsdangerous' keys are arbitrary strings.
+    key: bytes
+    # Off: the server applies its own max_age (SessionMiddleware's default is 14 days).
+    max_age_s: float | None = None
+    # None: itsdangerous' default salt; NeMo Gym's MCP token uses its own.
+    salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenFormatConfig:
+    """How a session header's value is read."""
+
+    # The episode token of DESIGN §2.
+    format: str = "jws"
+    # The payload key holding the session id; only the itsdangerous format reads one.
+    field: str | None = None
+    # Off: workers check the nonce themselves; a key makes forgeries a 403 at the edge.
+    verify: VerifyConfig | None = None
+    # The itsdangerous format's edge check; off unless a key is given.
+    signature: SignatureConfig | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CookieSourceConfig:
+    """A cookie carrying the session key."""
+
+    name: str
+    # Starlette's SessionMiddleware, which NeMo Gym's servers use.
+    format: str = "starlette"
+    # The session dict key NeMo Gym stores its session id under.
+    field: str = "session_id"
+    # Off: the server verifies its own cookie; a key makes forgeries a 403 at the edge.
+    signature: SignatureConfig | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class McpSourceConfig:
+    """MCP Streamable HTTP protocol sessions (DESIGN §7)."""
+
+    # The MCP SDKs' default endpoint.
+    path: str = "/mcp"
+    # The MCP specification's session header.
+    header: str = "Mcp-Session-Id"
+
+
+@dataclass(frozen=True, slots=True)
+class BodyFieldConfig:
+    """A JSON request body field carrying the session key."""
+
+    # An RFC 6901 JSON pointer into the request body.
+    pointer: str
+    # Request bodies that name a session are small; a larger body names none.
+    max_bytes: int = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class PathSourceConfig:
+    """A request path pattern whose `{key}` segment is the session key."""
+
+    pattern: str
+
+
+@dataclass(frozen=True, slots=True)
+class LearnConfig:
+    """Where a seed reply carries the new session's key; exactly one is set."""
+
+    json_pointer: str | None = None
+    header: str | None = None
+    cookie: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RouteConfig:
+    """A method and exact path; a seed route also says where its reply carries the key."""
+
+    method: str
+    path: str
+    # Filled in for every seed route by the parser; None on close routes.
+    learn: LearnConfig | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionKindConfig:
+    """A kind of session and where its key comes from (DESIGN §4); exactly one source is set."""
+
+    name: str
+    header: str | None = None
+    token: TokenFormatConfig = TokenFormatConfig()
+    cookie: CookieSourceConfig | None = None
+    mcp: McpSourceConfig | None = None
+    body_field: BodyFieldConfig | None = None
+    path: PathSourceConfig | None = None
+    # Kinds without seed or close routes rely on claims over the control socket.
+    seed: RouteConfig | None = None
+    close: RouteConfig | None = None
+    # An unknown key is an error the agent should see (DESIGN §1).
+    unclaimed: str = "reject"
+
+    @property
+    def source(self) -> str:
+        """Where the key comes from: "header", "cookie", "mcp", "body_field" or "path"."""
+        for source in ("cookie", "mcp", "body_field", "path"):
+            if getattr(self, source) is not None:
+                return source
+        return "header"
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimsConfig:
+    """Lifetimes and bounds of the claim table."""
+
+    # An hour outlives any retry loop a client runs against an ended episode.
+    tombstone_ttl_s: float = 3600.0
+    # Bounds memory under a flood of short episodes.
+    max_tombstones: int = 1_000_000
+    # Enough for workers to notice the restart, reconnect and re-sync.
+    recovery_window_s: float = 30.0
+    # Unmodified workers never release, so learned claims must expire.
+    learned_idle_ttl_s: float = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class StateConfig:
+    """Where the router journals workers and claims across restarts."""
+
+    # Journaling is opt-in; without it a restart recovers from workers' syncs.
+    path: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    """Limits on what a client may send."""
+
+    # h11's default: well above real request heads, far below abuse.
+    max_header_bytes: int = 16384
+    # http.client's limit; real clients send about twenty.
+    max_headers: int = 100
+    # Bodies stream through unbuffered, and tool calls may upload large payloads.
+    max_body_bytes: int | None = None
+    # A real client sends its head in milliseconds; this bounds slowloris.
+    header_timeout_s: float = 10.0
+    # nginx's keepalive_timeout and aiohttp's keep-alive default.
+    idle_timeout_s: float = 75.0
+    # Apache's LimitRequestLine and aiohttp's max_line_size.
+    max_line_bytes: int = 8190
+
+
+@dataclass(frozen=True, slots=True)
+class TimeoutsConfig:
+    """Timeouts towards workers and for shutdown."""
+
+    # A local worker accepts in milliseconds; a refused connect is immediate.
+    connect_s: float = 2.0
+    # LLM-backed tool calls can take minutes before their first byte.
+    first_byte_s: float = 300.0
+    # SSE streams can be quiet for minutes; this is an idle bound, not a total.
+    stream_idle_s: float = 300.0
+    # Kubernetes' default termination grace period.
+    shutdown_grace_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    """Logging."""
+
+    # Log pipelines parse JSON lines.
+    format: str = "json"
+    # At RL request rates, access logs dwarf everything else.
+    access: bool = False
+    # Lifecycle events without per-request noise.
+    level: str = "info"
+
+
+# The default session kind: episode tokens (DESIGN §2) in their standard header.
+_EPISODE_KIND: Final = SessionKindConfig("episode", "X-NeMo-Gym-Episode-Token", TokenFormatConfig())
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The whole router configuration. `default_config()` is `Config()`."""
+
+    listen: ListenConfig = ListenConfig()
+    admin: AdminConfig = AdminConfig()
+    control: ControlConfig = ControlConfig()
+    # Workers usually arrive over the control socket.
+    workers: tuple[StaticWorkerConfig, ...] = ()
+    health: HealthConfig = HealthConfig()
+    # The router starts no processes unless asked.
+    spawn: SpawnConfig | None = None
+    # NeMo Gym's episode token header.
+    sessions: tuple[SessionKindConfig, ...] = (_EPISODE_KIND,)
+    claims: ClaimsConfig = ClaimsConfig()
+    state: StateConfig = StateConfig()
+    limits: LimitsConfig = LimitsConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    log: LogConfig = LogConfig()
+
+    def session_kind(self, name: str) -> SessionKindConfig | None:
+        """The session kind called `name`, or None."""
+        return next((kind for kind in self.sessions if kind.name == name), None)
