@@ -2,7 +2,9 @@
 
 Runs the app alone (no control socket), with a ControlClient against the
 scripted router of tests/scripted_router.py (claims before tokens, releases on
-end), and as a real process (`python -m router.demo`) stopped with SIGTERM.
+end), and as a real process (`python -m router.demo`) stopped with SIGTERM. Its
+MCP endpoint is driven by the real MCP SDK client, and by hand for what an SDK
+client never sends.
 """
 
 from __future__ import annotations
@@ -20,12 +22,24 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx2
 import pytest
 from aiohttp.test_utils import TestClient
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+from mcp_types import TextContent
 from scripted_router import ScriptedRouter, eventually
 
 from router.client import BOOT_HEADER, ControlClient
-from router.demo import TOKEN_HEADER, build_demo_app, signing_key_from_env
+from router.demo import (
+    MCP_VERSIONS,
+    TOKEN_HEADER,
+    build_demo_app,
+    mcp_reply_media,
+    mcp_version,
+    signing_key_from_env,
+)
 from router.tokens import SigningKey, TokenError, mint_token, parse_token
 
 Http = TestClient[Any, Any]
@@ -293,6 +307,219 @@ def test_signing_key_from_env() -> None:
         parse_token(token, now=2, verifier=random.verifier())
     with pytest.raises(ValueError, match="32 bytes"):
         signing_key_from_env({"EPISODE_TOKEN_SECRET": "short"})
+
+
+# --- MCP -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("accept", "streams", "media"),
+    [
+        ("application/json, text/event-stream", False, "json"),
+        ("application/json, text/event-stream", True, "sse"),
+        ("text/event-stream", False, "sse"),
+        ("application/json", True, "json"),
+        ("*/*", True, "json"),
+        ("application/*;q=0.9", False, "json"),
+        ("TEXT/Event-Stream; charset=utf-8", False, "sse"),
+        ("text/html", False, None),
+        ("", True, None),
+    ],
+)
+def test_mcp_reply_media(accept: str, streams: bool, media: str | None) -> None:
+    assert mcp_reply_media(accept, streams=streams) == media
+
+
+def test_mcp_version_answers_the_clients_own_when_supported() -> None:
+    assert [mcp_version(v) for v in MCP_VERSIONS] == list(MCP_VERSIONS)
+    assert [mcp_version(v) for v in ("2026-07-28", "2024-11-05", None, 7)] == [MCP_VERSIONS[0]] * 4
+
+
+class Wire:
+    """What an SDK client's HTTP layer saw: (JSON-RPC method, status, content type) per
+    reply, and (arrival, progress) per progress notification."""
+
+    def __init__(self) -> None:
+        self.replies: list[tuple[str | None, int, str]] = []
+        self.progress: list[tuple[float, float]] = []
+
+    async def record(self, response: httpx2.Response) -> None:
+        sent = response.request.content
+        method = json.loads(sent).get("method") if sent else None
+        content_type = response.headers.get("content-type", "")
+        self.replies.append((method, response.status_code, content_type))
+
+    async def on_progress(self, progress: float, total: float | None, message: str | None) -> None:
+        self.progress.append((time.monotonic(), progress))
+
+
+def sdk_client(http: Http, token: str, wire: Wire) -> tuple[httpx2.AsyncClient, Client]:
+    """The MCP SDK's client on the demo's /mcp, with the episode token on every request."""
+    client = httpx2.AsyncClient(
+        headers={TOKEN_HEADER: token}, event_hooks={"response": [wire.record]}, trust_env=False
+    )
+    transport = streamable_http_client(str(http.make_url("/mcp")), http_client=client)
+    return client, Client(transport)
+
+
+async def test_mcp_sdk_client_lists_and_calls_the_demo_tools(http: Http) -> None:
+    token = (await start(http, {"ep": "ep1"}))["token"]
+    wire = Wire()
+    client, mcp = sdk_client(http, token, wire)
+    async with client, mcp:
+        assert mcp.protocol_version == MCP_VERSIONS[0]
+        listed = [tool.name for tool in (await mcp.list_tools()).tools]
+        added = await mcp.call_tool("add", {"value": 5})
+        got = await mcp.call_tool("get", {})
+        refused = await mcp.call_tool("add", {"value": "five"})
+        echoed = await mcp.call_tool("echo", {"nested": [1, None]})
+        with pytest.raises(MCPError, match="Unknown tool"):
+            await mcp.call_tool("launch", {})
+    assert listed == ["add", "get", "echo", "sleep", "stream"]
+    reply = {"worker": "w0", "episode": "ep1-a0"}
+    assert added.structured_content == {**reply, "result": 5, "calls": 1}
+    assert got.structured_content == {**reply, "result": 5, "calls": 2}
+    (refusal,) = refused.content
+    assert refused.is_error and isinstance(refusal, TextContent)
+    assert json.loads(refusal.text)["error"] == "bad_request"
+    assert echoed.structured_content == {**reply, "result": {"nested": [1, None]}, "calls": 4}
+    json_type = "application/json; charset=utf-8"
+    # The SDK probes the 2026-07-28 protocol first; the demo refuses it (400) and the SDK falls
+    # back to the handshake. Every reply is JSON: the client accepts both, nothing streams.
+    assert wire.replies == [
+        ("server/discover", 400, json_type),
+        ("initialize", 200, json_type),
+        ("notifications/initialized", 202, ""),
+        *[(m, 200, json_type) for m in ("tools/list", *["tools/call"] * 5)],
+    ]
+    # The plain HTTP tools see the same episode (an unknown tool was not counted as a call).
+    assert await call(http, token, "get") == (200, {**reply, "result": 5, "calls": 5})
+
+
+async def test_mcp_stream_with_progress_is_sse_events_spaced_in_time(http: Http) -> None:
+    token = (await start(http, {"ep": "ep1"}))["token"]
+    wire = Wire()
+    client, mcp = sdk_client(http, token, wire)
+    async with client, mcp:
+        args = {"events": 3, "interval_s": 0.2}
+        result = await mcp.call_tool("stream", args, progress_callback=wire.on_progress)
+        quiet = await mcp.call_tool("stream", {"events": 2, "interval_s": 0})
+    assert result.structured_content == {
+        "worker": "w0", "episode": "ep1-a0", "result": {"events": 3}, "calls": 1
+    }  # fmt: skip
+    assert quiet.structured_content == {
+        "worker": "w0", "episode": "ep1-a0", "result": {"events": 2}, "calls": 2
+    }  # fmt: skip
+    assert [progress for _, progress in wire.progress] == [1, 2, 3]
+    gaps = [later - earlier for (earlier, _), (later, _) in itertools.pairwise(wire.progress)]
+    assert all(gap >= 0.15 for gap in gaps)
+    calls = [content_type for method, _, content_type in wire.replies if method == "tools/call"]
+    assert calls == ["text/event-stream", "application/json; charset=utf-8"]
+
+
+async def mcp_post(
+    http: Http,
+    message: object,
+    *,
+    token: str | None,
+    accept: str = "application/json, text/event-stream",
+    version: str | None = None,
+) -> tuple[int, str, Any]:
+    """One raw POST /mcp: (status, content type, JSON body or the SSE events' data)."""
+    headers = {"Accept": accept, **({TOKEN_HEADER: token} if token else {})}
+    if version is not None:
+        headers["MCP-Protocol-Version"] = version
+    data = message if isinstance(message, bytes) else json.dumps(message).encode()
+    response = await http.post("/mcp", data=data, headers=headers)
+    text = await response.text()
+    if response.content_type == "text/event-stream":
+        events = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+        return response.status, response.content_type, events
+    return response.status, response.content_type, json.loads(text) if text else None
+
+
+def rpc(method: str, params: object = None, message_id: object = 1) -> dict[str, object]:
+    message: dict[str, object] = {"jsonrpc": "2.0", "id": message_id, "method": method}
+    if params is not None:
+        message["params"] = params
+    return message
+
+
+def rpc_error(message_id: object, code: int) -> Any:
+    """Matches a JSON-RPC error body by id and code (its message is for people)."""
+    return {"jsonrpc": "2.0", "id": message_id, "error": {"code": code, "message": NonEmptyText()}}
+
+
+class NonEmptyText:
+    """Equal to any non-empty string: an error message is for people, not for matching."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, str) and bool(other)
+
+
+async def test_mcp_answers_sse_to_a_client_that_takes_only_sse(http: Http) -> None:
+    token = (await start(http, {"ep": "ep1"}))["token"]
+    status, media, events = await mcp_post(
+        http, rpc("tools/list", message_id="a"), token=token, accept="text/event-stream"
+    )
+    assert (status, media, len(events)) == (200, "text/event-stream", 1)
+    assert events[0]["id"] == "a" and len(events[0]["result"]["tools"]) == 5
+
+
+async def test_mcp_refusals(http: Http) -> None:
+    token = (await start(http, {"ep": "ep1"}))["token"]
+    json_type = "application/json"
+    cases: list[tuple[object, dict[str, Any], int, Any]] = [
+        (b"{not json", {}, 400, rpc_error(None, -32700)),
+        ([rpc("ping")], {}, 400, rpc_error(None, -32600)),  # no batches
+        ({"id": 1, "method": "ping"}, {}, 400, rpc_error(None, -32600)),  # no "jsonrpc"
+        (rpc("ping", message_id=True), {}, 400, rpc_error(None, -32600)),
+        (rpc("ping", params=[1]), {}, 400, rpc_error(None, -32600)),
+        (rpc("ping"), {"accept": "text/html"}, 406, rpc_error(1, -32600)),
+        (rpc("ping"), {"version": "2026-07-28"}, 400, rpc_error(1, -32600)),
+        (rpc("resources/list"), {}, 200, rpc_error(1, -32601)),
+        (rpc("tools/call", {"name": "launch"}), {}, 200, rpc_error(1, -32602)),
+    ]
+    for message, options, status, body in cases:
+        assert await mcp_post(http, message, token=token, **options) == (status, json_type, body)
+    assert await mcp_post(http, rpc("ping"), token=token, version=MCP_VERSIONS[-1]) == (
+        200, json_type, {"jsonrpc": "2.0", "id": 1, "result": {}}
+    )  # fmt: skip
+    note = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    status, _, body = await mcp_post(http, note, token=token)
+    assert (status, body) == (202, None)  # accepted, nothing to answer
+    for method in ("GET", "DELETE"):
+        response = await http.request(method, "/mcp", headers={TOKEN_HEADER: token})
+        assert (response.status, response.headers["Allow"]) == (405, "POST")
+
+
+@pytest.mark.parametrize(
+    ("forge", "status", "error"),
+    [
+        (lambda token: None, 401, "invalid_token"),
+        (lambda token: resign(token, KEY, ep="ep9"), 404, "unknown_episode"),
+        (lambda token: resign(token, KEY, nonce="guessed"), 403, "bad_nonce"),
+        (lambda token: resign(token, OTHER_KEY), 403, "bad_signature"),
+    ],
+)
+async def test_mcp_serves_only_the_episodes_it_holds(
+    http: Http, forge: Any, status: int, error: str
+) -> None:
+    token = (await start(http, {"ep": "ep1"}))["token"]
+    answer = await mcp_post(http, rpc("tools/list"), token=forge(token))
+    assert answer == (
+        status,
+        "application/json",
+        {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "error": {
+                "code": -32001,
+                "message": NonEmptyText(),
+                "data": {"error": error, "worker": "w0"},
+            },
+        },
+    )
 
 
 # --- with the control socket --------------------------------------------------------------------
