@@ -241,6 +241,9 @@ class ControlServer:
             reply = request if "ok" in request else session.handle(request, self._clock())
             if self._metrics is not None:
                 self._count(request, reply)
+            if request.get("op") == "hello" and reply.get("ok") and session.worker is not None:
+                worker = session.worker
+                log.info("worker live", extra={"worker": worker.id, "url": worker.url})
             writer.write(encode(reply))
             # drain() only waits while more than WRITE_BUFFER_HIGH is unsent: that is
             # the backpressure of DESIGN §3, and it costs nothing otherwise.
