@@ -22,12 +22,15 @@ events then travel as `notifications/progress` ahead of the result.
 Run it as `python -m router.demo --port 9001 --worker-id w0 [--control unix:/path]`.
 """
 
+# Layout: the episodes, their tokens and the tools live in router.demo_episodes, the MCP
+# endpoint in router.demo_mcp. This module owns the worker's claims, its HTTP endpoints, its
+# app and its process, and re-exports the public names callers import from here.
+
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import os
@@ -35,24 +38,59 @@ import secrets
 import signal
 import socket
 import sys
-import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Coroutine
 from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from router import __version__
 from router.client import ControlClient, ControlError, aiohttp_boot_middleware
-from router.tokens import SigningKey, TokenError, episode_key, mint_token, new_nonce, parse_token
+from router.demo_episodes import (
+    MAX_ADD,
+    MAX_SLEEP_S,
+    MAX_STREAM_EVENTS,
+    MAX_STREAM_INTERVAL_S,
+    STREAM_TOOL,
+    TOKEN_HEADER,
+    TOOLS,
+    DemoError,
+    EpisodeState,
+    HeldEpisodes,
+    Tool,
+    episode_request,
+    int_arg,
+    read_json,
+    seconds_arg,
+    signing_key_from_env,
+)
+from router.demo_mcp import (
+    MCP_PATH,
+    MCP_TOOLS,
+    MCP_VERSIONS,
+    McpEndpoint,
+    McpError,
+    Notify,
+    mcp_reply_media,
+    mcp_version,
+)
+from router.tokens import SigningKey
 
 __all__ = [
+    "MAX_ADD",
+    "MAX_SLEEP_S",
+    "MAX_STREAM_EVENTS",
+    "MAX_STREAM_INTERVAL_S",
     "MCP_PATH",
+    "MCP_TOOLS",
     "MCP_VERSIONS",
+    "STREAM_TOOL",
     "TOKEN_HEADER",
     "TOOLS",
     "DemoError",
     "EpisodeState",
+    "McpError",
+    "Notify",
+    "Tool",
     "build_demo_app",
     "episode_request",
     "main",
@@ -64,226 +102,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-TOKEN_HEADER = "X-NeMo-Gym-Episode-Token"
 MAX_BODY_BYTES = 1 << 20  # a tool call's arguments are small; bounds what one request can cost
 CLAIM_TIMEOUT_S = 10.0  # a router away longer than this fails the start with 503, not a hang
-MAX_SLEEP_S = 30.0  # `sleep` exists to hold a request open, not a worker
-MAX_STREAM_EVENTS = 1000  # enough to test a long stream, few enough to end quickly
-MAX_STREAM_INTERVAL_S = 10.0  # under the router's default stream idle timeout
 SHUTDOWN_TIMEOUT_S = 5.0  # how long in-flight requests get after SIGTERM
-MAX_ADD = 2**53  # the counter stays exact in every JSON implementation
 # ControlError codes the client raises itself: the router refused nothing.
 LOCAL_ERRORS = frozenset({"client_stopped", "not_started", "line_too_long"})
-
-
-class DemoError(Exception):
-    """A request the demo worker refuses: `status`, and a JSON body with `error` and `detail`."""
-
-    def __init__(self, status: int, error: str, detail: str) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.error = error
-        self.detail = detail
-
-
-class EpisodeState:
-    """One episode attempt held by this worker: what its token must say, and its toy state."""
-
-    __slots__ = ("att", "calls", "counter", "ep", "nonce")
-
-    def __init__(self, ep: str, att: int, nonce: str) -> None:
-        self.ep = ep
-        self.att = att
-        self.nonce = nonce
-        self.counter = 0
-        self.calls: list[str] = []
-
-    @property
-    def key(self) -> str:
-        return episode_key(self.ep, self.att)
-
-    def matches(self, ep: str, att: int, nonce: str) -> bool:
-        """True when a token's claims name this very attempt (nonce compared in constant time)."""
-        same_nonce = hmac.compare_digest(nonce.encode(), self.nonce.encode())
-        return same_nonce and ep == self.ep and att == self.att
-
-
-# --- pure argument checks ---------------------------------------------------------------------
-
-
-def _bad(detail: str) -> DemoError:
-    return DemoError(400, "bad_request", detail)
-
-
-def _int_arg(args: object, name: str, low: int, high: int) -> int:
-    """`args[name]` as an integer within [low, high], or a 400."""
-    value = args.get(name) if isinstance(args, dict) else None
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise _bad(f"`{name}` must be an integer from {low} to {high}.")
-    return value
-
-
-def _seconds_arg(args: object, name: str, high: float) -> float:
-    """`args[name]` as a number of seconds within [0, high], or a 400."""
-    value = args.get(name) if isinstance(args, dict) else None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= high:
-        raise _bad(f"`{name}` must be a number of seconds from 0 to {high:g}.")
-    return float(value)
-
-
-def episode_request(body: object) -> tuple[str, int]:
-    """The (ep, att) a `POST /episodes` body asks for; ep defaults to a fresh random id."""
-    if not isinstance(body, dict):
-        raise _bad("The body must be a JSON object.")
-    ep = body.get("ep", f"ep-{secrets.token_hex(8)}")
-    att = body.get("att", 0)
-    if not isinstance(ep, str) or isinstance(att, bool) or not isinstance(att, int):
-        raise _bad("`ep` must be a string and `att` an integer.")
-    return ep, att
-
-
-# --- tools ------------------------------------------------------------------------------------
-
-Tool = Callable[[EpisodeState, object], Awaitable[object]]
-
-
-async def _add(state: EpisodeState, args: object) -> object:
-    state.counter += _int_arg(args, "value", -MAX_ADD, MAX_ADD)
-    return state.counter
-
-
-async def _get(state: EpisodeState, args: object) -> object:
-    return state.counter
-
-
-async def _echo(state: EpisodeState, args: object) -> object:
-    return args
-
-
-async def _sleep(state: EpisodeState, args: object) -> object:
-    seconds = _seconds_arg(args, "seconds", MAX_SLEEP_S)
-    await asyncio.sleep(seconds)
-    return seconds
-
-
-TOOLS: dict[str, Tool] = {"add": _add, "get": _get, "echo": _echo, "sleep": _sleep}
-STREAM_TOOL = "stream"
-
-
-# --- MCP: the same tools over Streamable HTTP (pure parts) -------------------------------------
-
-MCP_PATH = "/mcp"
-# Handshake-era versions, newest first: initialize answers the client's own when listed here.
-MCP_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26")
-_PARSE_ERROR, _INVALID_REQUEST, _METHOD_NOT_FOUND, _INVALID_PARAMS = -32700, -32600, -32601, -32602
-_EPISODE_REFUSED = -32001  # server-defined: the token names no episode this worker runs
-
-
-def _schema(**properties: object) -> dict[str, object]:
-    """A tool's input schema: an object whose `properties` are all required."""
-    return {"type": "object", "properties": properties, "required": list(properties)}
-
-
-_SECONDS = {"type": "number", "minimum": 0}
-MCP_TOOLS: list[dict[str, object]] = [
-    {
-        "name": "add",
-        "description": "Add `value` to the counter.",
-        "inputSchema": _schema(value={"type": "integer"}),
-    },
-    {"name": "get", "description": "The episode's counter.", "inputSchema": _schema()},
-    {"name": "echo", "description": "Its arguments, back.", "inputSchema": {"type": "object"}},
-    {
-        "name": "sleep",
-        "description": "Hold the call `seconds`.",
-        "inputSchema": _schema(seconds=_SECONDS),
-    },
-    {
-        "name": STREAM_TOOL,
-        "description": "`events` progress notifications `interval_s` apart.",
-        "inputSchema": _schema(events={"type": "integer", "minimum": 1}, interval_s=_SECONDS),
-    },
-]
-
-
-class McpError(Exception):
-    """A JSON-RPC error answer: the HTTP `status`, and the error's `code` and `message`."""
-
-    def __init__(self, status: int, code: int, message: str, data: object = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.data = data
-
-    def body(self, message_id: object) -> dict[str, object]:
-        error: dict[str, object] = {"code": self.code, "message": self.message}
-        if self.data is not None:
-            error["data"] = self.data
-        return {"jsonrpc": "2.0", "id": message_id, "error": error}
-
-
-def mcp_reply_media(accept: str, *, streams: bool) -> str | None:
-    """How to answer a client whose Accept header is `accept`: "json", "sse", or None when
-    it takes neither. SSE when it takes only SSE, or when the reply `streams` (carries
-    notifications ahead of its result) and it takes SSE at all."""
-    media = {part.split(";")[0].strip().lower() for part in accept.split(",")}
-    json_ok = not media.isdisjoint({"application/json", "application/*", "*/*"})
-    sse_ok = "text/event-stream" in media
-    if sse_ok and (streams or not json_ok):
-        return "sse"
-    return "json" if json_ok else None
-
-
-def mcp_version(requested: object) -> str:
-    """The protocol version initialize answers: the client's own when supported, else ours."""
-    return (
-        requested if isinstance(requested, str) and requested in MCP_VERSIONS else MCP_VERSIONS[0]
-    )
-
-
-def _rpc_message(body: object) -> dict[str, Any]:
-    """One JSON-RPC request or notification, or McpError (400)."""
-    if not isinstance(body, dict):
-        raise McpError(400, _INVALID_REQUEST, "The body must be one JSON-RPC message (no batch).")
-    message_id = body.get("id")
-    # A notification has no id at all; a request's is a string or an integer.
-    id_ok = "id" not in body or (
-        isinstance(message_id, str | int) and not isinstance(message_id, bool)
-    )
-    if body.get("jsonrpc") != "2.0" or not isinstance(body.get("method"), str) or not id_ok:
-        raise McpError(400, _INVALID_REQUEST, "Not a JSON-RPC 2.0 request or notification.")
-    if not isinstance(body.get("params", {}), dict):
-        raise McpError(400, _INVALID_REQUEST, "`params` must be an object.")
-    return body
-
-
-def _progress_token(message: Mapping[str, Any]) -> str | int | None:
-    meta = message.get("params", {}).get("_meta")
-    token = meta.get("progressToken") if isinstance(meta, dict) else None
-    return token if isinstance(token, str | int) and not isinstance(token, bool) else None
-
-
-def _streams(message: Mapping[str, Any]) -> bool:
-    """Whether the reply carries notifications: a `stream` call that asked for progress."""
-    params = message.get("params", {})
-    called = message.get("method") == "tools/call" and params.get("name") == STREAM_TOOL
-    return called and _progress_token(message) is not None
-
-
-def _tool_result(body: object, *, is_error: bool = False) -> dict[str, object]:
-    text = json.dumps(body, separators=(",", ":"))
-    result: dict[str, object] = {"content": [{"type": "text", "text": text}], "isError": is_error}
-    if not is_error:
-        result["structuredContent"] = body
-    return result
-
-
-def _sse_event(payload: Mapping[str, object]) -> bytes:
-    return f"event: message\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
-
-
-Notify = Callable[[int, int], Awaitable[None]]
 
 
 # --- the app ----------------------------------------------------------------------------------
@@ -297,37 +120,21 @@ class DemoWorker:
     ) -> None:
         self.worker_id = worker_id
         self.client = client if claim else None  # without claims the control client only leases
-        self.signing_key = signing_key
-        self.verifier = signing_key.verifier()
-        self.episodes: dict[str, EpisodeState] = {}
+        self.episodes = HeldEpisodes(worker_id, signing_key)
         self._background: set[asyncio.Task[None]] = set()
-
-    def reply(self, state: EpisodeState, result: object) -> dict[str, object]:
-        return {
-            "worker": self.worker_id,
-            "episode": state.key,
-            "result": result,
-            "calls": len(state.calls),
-        }
+        self._mcp = McpEndpoint(self.episodes)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"worker": self.worker_id})
 
     async def start_episode(self, request: web.Request) -> web.Response:
         """Mint a token for a new attempt, claim it, and only then hand the token out."""
-        ep, att = episode_request(await _read_json(request, default={}))
-        state = EpisodeState(ep, att, new_nonce())
-        try:
-            token = mint_token(ep=ep, att=att, nonce=state.nonce, key=self.signing_key, iat=_now())
-        except ValueError as exc:
-            raise _bad(f"Cannot start this episode: {exc}.") from None
-        if state.key in self.episodes:
-            raise DemoError(409, "episode_exists", "This worker already runs this attempt.")
-        self.episodes[state.key] = state
+        ep, att = episode_request(await read_json(request, default={}))
+        state, token = self.episodes.open(ep, att)
         try:
             await self._claim(state.key)
         except BaseException:
-            del self.episodes[state.key]
+            self.episodes.drop(state.key)
             raise
         return web.json_response({"token": token, "episode": state.key, "worker": self.worker_id})
 
@@ -362,8 +169,8 @@ class DemoWorker:
 
     async def end_episode(self, request: web.Request) -> web.Response:
         """Forget the episode and release its claim."""
-        state = self._episode_for(request)
-        del self.episodes[state.key]
+        state = self.episodes.for_request(request)
+        self.episodes.drop(state.key)
         if self.client is not None:
             try:
                 async with asyncio.timeout(CLAIM_TIMEOUT_S):
@@ -372,26 +179,27 @@ class DemoWorker:
                 log.warning("release of %s refused: %s", state.key, exc)
             except TimeoutError:
                 log.warning("release of %s not yet acknowledged; it stays queued", state.key)
-        return web.json_response(self.reply(state, {"ended": True, "counter": state.counter}))
+        result = {"ended": True, "counter": state.counter}
+        return web.json_response(self.episodes.reply(state, result))
 
     async def call_tool(self, request: web.Request) -> web.StreamResponse:
         """Run one tool on the episode the token names."""
-        state = self._episode_for(request)
+        state = self.episodes.for_request(request)
         name = request.match_info["name"]
         if name != STREAM_TOOL and name not in TOOLS:
             raise DemoError(404, "unknown_tool", f"This server has no tool {name!r}.")
-        args = await _read_json(request, default={})
+        args = await read_json(request, default={})
         state.calls.append(name)  # every call the episode received, refused arguments included
         if name == STREAM_TOOL:
             return await self._stream(request, state, args)
-        return web.json_response(self.reply(state, await TOOLS[name](state, args)))
+        return web.json_response(self.episodes.reply(state, await TOOLS[name](state, args)))
 
     async def _stream(
         self, request: web.Request, state: EpisodeState, args: object
     ) -> web.StreamResponse:
         """Send `events` SSE events, `interval_s` apart, each as it happens."""
-        events = _int_arg(args, "events", 1, MAX_STREAM_EVENTS)
-        interval = _seconds_arg(args, "interval_s", MAX_STREAM_INTERVAL_S)
+        events = int_arg(args, "events", 1, MAX_STREAM_EVENTS)
+        interval = seconds_arg(args, "interval_s", MAX_STREAM_INTERVAL_S)
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -399,164 +207,21 @@ class DemoWorker:
         for index in range(events):
             if index:
                 await asyncio.sleep(interval)
-            data = json.dumps(self.reply(state, {"event": index}), separators=(",", ":"))
+            reply = self.episodes.reply(state, {"event": index})
+            data = json.dumps(reply, separators=(",", ":"))
             await response.write(f"data: {data}\n\n".encode())
         await response.write_eof()
         return response
 
     async def mcp(self, request: web.Request) -> web.StreamResponse:
         """The MCP endpoint: one JSON-RPC message per POST, for the episode the token names."""
-        if request.method != "POST":
-            # No server-initiated stream and no protocol session to delete.
-            return web.Response(status=405, headers={"Allow": "POST"})
-        message_id: object = None
-        try:
-            message = _rpc_message(await self._mcp_body(request))
-            message_id = message.get("id")
-            state = self._mcp_episode(request)
-            media = mcp_reply_media(request.headers.get("Accept", ""), streams=_streams(message))
-            if media is None:
-                raise McpError(406, _INVALID_REQUEST, "Accept application/json or SSE.")
-            if "id" not in message:
-                return web.Response(status=202)  # a notification: nothing to answer
-            version = request.headers.get("MCP-Protocol-Version")
-            if message["method"] != "initialize" and version not in (None, *MCP_VERSIONS):
-                raise McpError(400, _INVALID_REQUEST, f"Unsupported protocol version {version}.")
-            if media == "sse":
-                return await self._mcp_sse(request, state, message)
-            result = await self._mcp_result(state, message, None)
-        except McpError as exc:
-            return web.json_response(exc.body(message_id), status=exc.status)
-        return web.json_response({"jsonrpc": "2.0", "id": message_id, "result": result})
-
-    async def _mcp_body(self, request: web.Request) -> object:
-        try:
-            return await _read_json(request, default=None)
-        except DemoError as exc:
-            code = _PARSE_ERROR if exc.status == 400 else _INVALID_REQUEST
-            raise McpError(exc.status, code, exc.detail) from None
-
-    def _mcp_episode(self, request: web.Request) -> EpisodeState:
-        try:
-            return self._episode_for(request)
-        except DemoError as exc:
-            data = {"error": exc.error, "worker": self.worker_id}
-            raise McpError(exc.status, _EPISODE_REFUSED, exc.detail, data) from None
-
-    async def _mcp_sse(
-        self, request: web.Request, state: EpisodeState, message: dict[str, Any]
-    ) -> web.StreamResponse:
-        """The reply as an event stream: progress notifications (if asked for), then the
-        result, each written as it happens."""
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await response.prepare(request)
-        token = _progress_token(message)
-
-        async def notify(progress: int, total: int) -> None:
-            params = {"progressToken": token, "progress": progress, "total": total}
-            note = {"jsonrpc": "2.0", "method": "notifications/progress", "params": params}
-            await response.write(_sse_event(note))
-
-        try:
-            result = await self._mcp_result(state, message, notify if token is not None else None)
-            payload = {"jsonrpc": "2.0", "id": message["id"], "result": result}
-        except McpError as exc:
-            payload = exc.body(message["id"])
-        await response.write(_sse_event(payload))
-        await response.write_eof()
-        return response
-
-    async def _mcp_result(
-        self, state: EpisodeState, message: Mapping[str, Any], notify: Notify | None
-    ) -> object:
-        method, params = message["method"], message.get("params", {})
-        if method == "initialize":
-            return {
-                "protocolVersion": mcp_version(params.get("protocolVersion")),
-                "capabilities": {"tools": {"listChanged": False}},
-                "serverInfo": {"name": "episode-router-demo", "version": __version__},
-            }
-        if method == "ping":
-            return {}
-        if method == "tools/list":
-            return {"tools": MCP_TOOLS}
-        if method == "tools/call":
-            return await self._mcp_call(state, params, notify)
-        raise McpError(200, _METHOD_NOT_FOUND, f"Method not found: {method}")
-
-    async def _mcp_call(
-        self, state: EpisodeState, params: Mapping[str, Any], notify: Notify | None
-    ) -> object:
-        name, args = params.get("name"), params.get("arguments", {})
-        if not isinstance(name, str) or (name not in TOOLS and name != STREAM_TOOL):
-            raise McpError(200, _INVALID_PARAMS, f"Unknown tool: {name!r}")
-        state.calls.append(name)
-        try:
-            if name == STREAM_TOOL:
-                result = await _stream_progress(args, notify)
-            else:
-                result = await TOOLS[name](state, args)
-        except DemoError as exc:  # bad arguments: an error result the model can read
-            body = {"error": exc.error, "detail": exc.detail, "worker": self.worker_id}
-            return _tool_result(body, is_error=True)
-        return _tool_result(self.reply(state, result))
-
-    def _episode_for(self, request: web.Request) -> EpisodeState:
-        """The episode this request's token names, checked against what this worker holds."""
-        values = request.headers.getall(TOKEN_HEADER, [])
-        if not values:
-            raise DemoError(401, "invalid_token", f"The request carries no {TOKEN_HEADER}.")
-        if len(set(values)) > 1:
-            raise DemoError(400, "ambiguous_session", "The token header is repeated.")
-        try:
-            token = parse_token(values[0], now=time.time(), verifier=self.verifier)
-        except TokenError as exc:
-            raise DemoError(exc.status, exc.code, exc.detail) from None
-        state = self.episodes.get(token.key)
-        if state is None:
-            detail = f"Worker {self.worker_id} holds no episode {token.key}."
-            raise DemoError(404, "unknown_episode", detail)
-        if not state.matches(token.ep, token.att, token.nonce):
-            raise DemoError(403, "bad_nonce", "The token is not the one issued for this episode.")
-        return state
+        return await self._mcp.handle(request)
 
     async def close(self, app: web.Application) -> None:
         for task in list(self._background):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-
-
-async def _read_json(request: web.Request, *, default: object) -> object:
-    """The request's JSON body (`default` when empty); 400 if it is not JSON, 413 if too big."""
-    try:
-        body = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise DemoError(413, "payload_too_large", "The body is over 1 MiB.") from None
-    if not body.strip():
-        return default
-    try:
-        return json.loads(body)
-    except ValueError:
-        raise _bad("The body is not JSON.") from None
-
-
-async def _stream_progress(args: object, notify: Notify | None) -> object:
-    """The `stream` tool over MCP: `events` progress notifications `interval_s` apart."""
-    events = _int_arg(args, "events", 1, MAX_STREAM_EVENTS)
-    interval = _seconds_arg(args, "interval_s", MAX_STREAM_INTERVAL_S)
-    for index in range(events):
-        if index:
-            await asyncio.sleep(interval)
-        if notify is not None:
-            await notify(index + 1, events)
-    return {"events": events}
-
-
-def _now() -> int:
-    return int(time.time())
 
 
 def _errors_middleware(worker_id: str) -> Middleware:
@@ -601,14 +266,6 @@ def build_demo_app(
 
 
 # --- the process ------------------------------------------------------------------------------
-
-
-def signing_key_from_env(environ: Mapping[str, str]) -> SigningKey:
-    """HS256 with EPISODE_TOKEN_SECRET when set (ValueError if under 32 bytes), else random."""
-    secret = environ.get("EPISODE_TOKEN_SECRET")
-    if secret:
-        return SigningKey.hs256(secret.encode())
-    return SigningKey.generate("HS256")
 
 
 def _bind(host: str, port: int) -> socket.socket:
