@@ -1,0 +1,290 @@
+"""What a benchmark run found: per-proxy figures, ratios to nginx, targets, table, JSON, chart.
+
+This module owns the figures' meaning: CPU per forwarded request, added
+latency (proxy p50 minus the direct-to-worker p50), ratios to nginx measured in
+the same run, and the issue's targets checked against them. It is pure except
+for `write_chart`, which draws with matplotlib when it is installed. It never
+runs a process or sends a request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "Figures",
+    "Run",
+    "TargetCheck",
+    "check_targets",
+    "format_table",
+    "ratio",
+    "to_json",
+    "write_chart",
+]
+
+BASELINE = "nginx"  # ratios are to this peer, measured side by side in the same run
+DIRECT = "direct"  # the row of requests sent straight to a worker
+# The issue's targets for the router (ratios to nginx, except the p99 bound).
+MAX_CPU_RATIO = 1.5
+MAX_ADDED_LATENCY_RATIO = 1.2
+MAX_HALF_LOAD_P99_US = 1000.0
+MIN_THROUGHPUT_RATIO = 0.9
+
+
+@dataclass(slots=True)
+class Figures:
+    """One proxy's results (or why it has none)."""
+
+    name: str
+    status: str = "ok"  # "ok", "skipped" or "failed"
+    reason: str = ""
+    processes: int = 0  # the pids whose CPU time was summed
+    cpu_us_per_request: float | None = None
+    rps: float | None = None
+    load_tool: str | None = None
+    load_requests: int | None = None
+    load_errors: int | None = None
+    load_p50_us: float | None = None
+    load_p99_us: float | None = None
+    serial_p50_us: float | None = None
+    serial_p99_us: float | None = None
+    added_p50_us: float | None = None
+    added_p99_us: float | None = None
+    paced_rate_asked: float | None = None
+    paced_rps: float | None = None
+    paced_p50_us: float | None = None
+    paced_p99_us: float | None = None
+    paced_errors: int | None = None
+    rss_mib: float | None = None
+    ratios: dict[str, float | None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TargetCheck:
+    """One of the issue's targets: what it asks, what was measured, and whether it is met."""
+
+    target: str
+    measured: str
+    met: bool | None  # None: not measured in this run (a peer was skipped)
+
+
+@dataclass(slots=True)
+class Run:
+    """A whole run: settings, machine, each proxy's figures, the targets."""
+
+    settings: dict[str, Any]
+    machine: dict[str, Any]
+    figures: list[Figures]
+    targets: list[TargetCheck] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def by_name(self, name: str) -> Figures | None:
+        return next((f for f in self.figures if f.name == name and f.status == "ok"), None)
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    """value / base, or None when either is missing or base is not positive."""
+    if value is None or base is None or base <= 0:
+        return None
+    return value / base
+
+
+def fill_ratios(run: Run) -> None:
+    """Sets every proxy's ratios to nginx: CPU, throughput, added p50 latency."""
+    base = run.by_name(BASELINE)
+    for figures in run.figures:
+        if figures.status != "ok" or figures.name == DIRECT:
+            continue
+        figures.ratios = {
+            "cpu": ratio(figures.cpu_us_per_request, base.cpu_us_per_request if base else None),
+            "rps": ratio(figures.rps, base.rps if base else None),
+            "added_p50": ratio(figures.added_p50_us, base.added_p50_us if base else None),
+        }
+
+
+def _check(target: str, measured: float | None, shown: str, ok: bool) -> TargetCheck:
+    if measured is None:
+        return TargetCheck(target, "not measured (nginx skipped)", None)
+    return TargetCheck(target, shown, ok)
+
+
+def check_targets(run: Run) -> list[TargetCheck]:
+    """The router's targets that this run measures (the micro-benchmarks check the rest)."""
+    router = run.by_name("router")
+    if router is None:
+        return []
+    r = router.ratios
+    cpu, rps, added = r.get("cpu"), r.get("rps"), r.get("added_p50")
+    half = router.paced_p99_us
+    return [
+        _check(
+            f"CPU per request <= {MAX_CPU_RATIO}x nginx",
+            cpu,
+            f"{cpu:.2f}x" if cpu is not None else "",
+            cpu is not None and cpu <= MAX_CPU_RATIO,
+        ),
+        _check(
+            f"serial added latency p50 <= {MAX_ADDED_LATENCY_RATIO}x nginx",
+            added,
+            f"{added:.2f}x" if added is not None else "",
+            added is not None and added <= MAX_ADDED_LATENCY_RATIO,
+        ),
+        TargetCheck(
+            f"p99 <= {MAX_HALF_LOAD_P99_US:g} us at half of saturation",
+            f"{half:.0f} us" if half is not None else "not measured",
+            half <= MAX_HALF_LOAD_P99_US if half is not None else None,
+        ),
+        _check(
+            f"throughput >= {MIN_THROUGHPUT_RATIO:.0%} of nginx",
+            rps,
+            f"{rps:.0%}" if rps is not None else "",
+            rps is not None and rps >= MIN_THROUGHPUT_RATIO,
+        ),
+    ]
+
+
+# --- output ----------------------------------------------------------------------------------
+
+
+def _cell(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+_COLUMNS = (
+    "proxy",
+    "CPU us/req",
+    "x nginx",
+    "rps",
+    "x nginx",
+    "serial p50",
+    "p99",
+    "added p50",
+    "x nginx",
+    "paced rps",
+    "p50",
+    "p99",
+    "RSS MiB",
+)
+
+
+def _row(f: Figures) -> tuple[str, ...]:
+    r = f.ratios
+    return (
+        f.name,
+        _cell(f.cpu_us_per_request, 1),
+        _times(r.get("cpu")),
+        _cell(f.rps),
+        _times(r.get("rps")),
+        _cell(f.serial_p50_us),
+        _cell(f.serial_p99_us),
+        _cell(f.added_p50_us),
+        _times(r.get("added_p50")),
+        _cell(f.paced_rps),
+        _cell(f.paced_p50_us),
+        _cell(f.paced_p99_us),
+        _cell(f.rss_mib, 1),
+    )
+
+
+def format_table(run: Run) -> str:
+    """The table a person reads: one row per proxy measured, then the skipped and targets."""
+    rows = [_COLUMNS] + [_row(f) for f in run.figures if f.status == "ok"]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    lines = [
+        "  ".join(
+            c.rjust(w) if i else c.ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append("(latencies in microseconds; added = proxy p50 - direct-to-worker p50;")
+    lines.append(" paced: every proxy at half the router's saturation rate)")
+    for f in run.figures:
+        if f.status != "ok":
+            lines.append(f"{f.status}: {f.name}: {f.reason}")
+    for f in run.figures:
+        if f.status == "ok" and f.load_errors:
+            lines.append(f"warning: {f.name}: {f.load_errors} errors under load")
+        if f.status == "ok" and f.paced_errors:
+            lines.append(f"warning: {f.name}: {f.paced_errors} errors at the paced rate")
+    if run.targets:
+        lines.append("targets (router):")
+        for check in run.targets:
+            verdict = {True: "met", False: "NOT met", None: "n/a"}[check.met]
+            lines.append(f"  {verdict:8} {check.target}: {check.measured}")
+    lines.extend(run.notes)
+    return "\n".join(lines)
+
+
+def to_json(run: Run) -> str:
+    """The whole run as JSON (figures, ratios, targets, settings, machine)."""
+    data = {
+        "settings": run.settings,
+        "machine": run.machine,
+        "proxies": [dataclasses.asdict(f) for f in run.figures],
+        "skipped": {f.name: f.reason for f in run.figures if f.status == "skipped"},
+        "failed": {f.name: f.reason for f in run.figures if f.status == "failed"},
+        "targets": [dataclasses.asdict(t) for t in run.targets],
+        "notes": run.notes,
+    }
+    return json.dumps(data, indent=2) + "\n"
+
+
+_PANELS: Sequence[tuple[str, str, str | None]] = (
+    ("cpu_us_per_request", "CPU per forwarded request (us, lower is better)", "cpu"),
+    ("rps", "throughput at {connections} connections (req/s)", "rps"),
+    ("added_p50_us", "serial added latency p50 (us)", "added_p50"),
+    ("paced_p99_us", "p99 at half the router's saturation rate (us)", None),
+)
+
+
+def write_chart(run: Run, path: Path) -> str | None:
+    """Draws the run's four figures as bar charts into `path` (PNG).
+    Returns None when done, else why no chart was drawn (matplotlib missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no chart: matplotlib is not installed (pip install matplotlib)"
+    measured = [f for f in run.figures if f.status == "ok" and f.name != DIRECT]
+    figure, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for axis, (attribute, title, ratio_key) in zip(axes.flat, _PANELS, strict=True):
+        names = [f.name for f in measured]
+        values = [getattr(f, attribute) or 0.0 for f in measured]
+        colours = ["#d62728" if n == "router" else "#1f77b4" for n in names]
+        bars = axis.bar(names, values, color=colours)
+        labels = [_bar_label(f, attribute, ratio_key) for f in measured]
+        axis.bar_label(bars, labels=labels, fontsize=8)
+        connections = run.settings.get("connections", "?")
+        axis.set_title(title.format(connections=connections), fontsize=10)
+        axis.margins(y=0.15)
+    figure.suptitle(_chart_title(run.machine), fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return None
+
+
+def _bar_label(f: Figures, attribute: str, ratio_key: str | None) -> str:
+    value = getattr(f, attribute)
+    if value is None:
+        return "n/a"
+    ratio_value = f.ratios.get(ratio_key) if ratio_key else None
+    return f"{value:,.0f}" + (f"\n{ratio_value:.2f}x nginx" if ratio_value is not None else "")
+
+
+def _chart_title(machine: Mapping[str, Any]) -> str:
+    cpus = machine.get("cpus", "?")
+    return f"episode-router vs peers, {cpus} cores, loopback, sticky on the token header"

@@ -1,0 +1,419 @@
+"""The benchmark harness: the router against nginx, HAProxy and Envoy, side by side.
+
+`python -m bench.run [--quick] [--peers nginx,haproxy,envoy] [--install] [--profile]`
+
+It starts W trivial workers (bench.worker) that claim a fixed set of episodes
+over the router's control socket, the router (`python -m router.cli run`), and
+each peer it finds installed, configured for stickiness on the episode-token
+header. For each proxy in turn it checks that every token is routed (to its
+claiming worker, for the router; to one worker consistently, for the peers),
+then measures:
+
+- serial latency: N requests one after another on one keep-alive connection;
+  the added latency is the proxy's p50 minus the direct-to-worker p50 measured
+  just before it;
+- throughput and CPU: wrk (or the bundled generator) at C connections; the
+  proxy's CPU time is read from /proc (utime + stime of all its processes)
+  before and after, and divided by the requests it forwarded;
+- latency at half of saturation: the bundled generator paced at half the
+  router's saturation rate. The router is measured first, and every peer is
+  then paced at that same rate, so the latencies compare at one offered load.
+
+It prints a table with ratios to nginx and the issue's targets, and writes
+`bench.json`, `bench.png` (with matplotlib) and, with --profile, the router's
+py-spy profile into --out. Other processes on the machine skew every figure:
+ratios measured in one run are the thing to read, never absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from http.client import HTTPException
+from pathlib import Path
+from subprocess import SubprocessError
+from typing import Any
+
+from bench import load, profile
+from bench.episodes import check_routing, mint_episodes
+from bench.launch import (
+    ROOT,
+    Child,
+    StartFailure,
+    free_port,
+    raise_fd_limit,
+    start_child,
+    start_router,
+    start_worker,
+)
+from bench.peers import PEERS, find_peer, install_missing, proxy_spec, router_config
+from bench.report import (
+    DIRECT,
+    Figures,
+    Run,
+    check_targets,
+    fill_ratios,
+    format_table,
+    to_json,
+    write_chart,
+)
+
+__all__ = ["Settings", "main", "run_benchmark"]
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What one run does; `quick()` is the CI size."""
+
+    workers: int = 2
+    episodes: int = 64
+    connections: int = 32
+    wrk_threads: int = 1
+    peer_threads: int = 1  # nginx worker_processes, HAProxy nbthread, Envoy --concurrency
+    load_s: float = 10.0
+    paced_s: float = 5.0
+    serial_requests: int = 5000
+    serial_warmup: int = 500
+    peers: tuple[str, ...] = PEERS
+    use_wrk: bool = True
+    profile_s: float = 0.0  # 0: no profile
+    native_profile: bool = True
+
+    @classmethod
+    def quick(cls, **changes: Any) -> Settings:
+        base = cls(
+            episodes=16,
+            connections=8,
+            load_s=1.0,
+            paced_s=1.0,
+            serial_requests=300,
+            serial_warmup=50,
+        )
+        return _replace(base, **changes)
+
+
+def _replace(settings: Settings, **changes: Any) -> Settings:
+    return dataclasses.replace(settings, **changes)
+
+
+# --- one proxy ---------------------------------------------------------------------------------
+
+
+class Bench:
+    """One run's processes and measurements."""
+
+    def __init__(self, settings: Settings, folder: Path) -> None:
+        self.settings = settings
+        self.folder = folder
+        self.episodes = mint_episodes(settings.episodes, settings.workers)
+        self.router: Child | None = None
+        self.workers: list[Child] = []
+        self.wrk = shutil.which("wrk") if settings.use_wrk else None
+        self.paced_rate: float | None = None  # half the router's saturation, once measured
+        self.direct_p50s: list[float] = []
+        self.direct_p99s: list[float] = []
+
+    # -- processes --
+
+    def start(self) -> None:
+        folder = self.folder
+        control = folder / "control.sock"
+        port = free_port()
+        config = folder / "router.yaml"
+        config.write_text(router_config(port, free_port(), control))
+        self.router = start_router(config, port, folder / "router.log")
+        for w in range(self.settings.workers):
+            worker_id = f"w{w}"
+            keys = [e.key for e in self.episodes if e.worker == worker_id]
+            keys_path = folder / f"{worker_id}.keys.json"
+            keys_path.write_text(json.dumps(keys))
+            log_path = folder / f"{worker_id}.log"
+            self.workers.append(start_worker(worker_id, f"unix:{control}", keys_path, log_path))
+
+    def stop(self) -> None:
+        for child in [*self.workers, *([self.router] if self.router else [])]:
+            child.stop()
+
+    def start_peer(self, name: str, binary: str) -> Child:
+        port = free_port()
+        folder = self.folder / name
+        folder.mkdir(exist_ok=True)
+        ports = [w.port for w in self.workers]
+        spec = proxy_spec(name, binary, port, ports, folder, self.settings.peer_threads)
+        spec.config_path.write_text(spec.config_text)
+        child = start_child(name, spec.argv, folder / f"{name}.log")
+        try:
+            child.wait_for_port(port)
+        except StartFailure:
+            child.stop()
+            raise
+        return child
+
+    # -- measurements --
+
+    def requests_for(self, port: int) -> list[bytes]:
+        return [load.build_request(e.token, port) for e in self.episodes]
+
+    def serial(self, port: int) -> tuple[float, float]:
+        s = self.settings
+        ns = sorted(
+            load.serial_latencies(port, self.requests_for(port), s.serial_requests, s.serial_warmup)
+        )
+        return load.percentile(ns, 0.5) / 1000, load.percentile(ns, 0.99) / 1000
+
+    def direct(self) -> tuple[float, float]:
+        """The serial p50 and p99 straight to the first worker, measured now."""
+        p50, p99 = self.serial(self.workers[0].port)
+        self.direct_p50s.append(p50)
+        self.direct_p99s.append(p99)
+        return p50, p99
+
+    def saturate(self, port: int) -> load.LoadResult:
+        s = self.settings
+        if self.wrk is not None:
+            script = self.folder / "tokens.lua"
+            script.write_text(load.wrk_script([e.token for e in self.episodes]))
+            return load.run_wrk(self.wrk, port, str(script), s.connections, s.wrk_threads, s.load_s)
+        return load.run_async(
+            load.closed_loop(port, self.requests_for(port), s.connections, s.load_s)
+        )
+
+    def measure(self, name: str, proxy: Child) -> Figures:
+        """Every figure of one proxy, already started on `proxy.port`."""
+        port = proxy.port
+        check_routing(name, port, self.episodes)
+        direct_p50, direct_p99 = self.direct()
+        p50, p99 = self.serial(port)
+        figures = Figures(name=name, serial_p50_us=p50, serial_p99_us=p99)
+        figures.added_p50_us = p50 - direct_p50
+        figures.added_p99_us = p99 - direct_p99
+        figures.processes = len(proxy.pids())
+        before = proxy.cpu_seconds()
+        result = self.saturate(port)
+        used = proxy.cpu_seconds() - before
+        figures.load_tool = result.tool
+        figures.load_requests = result.requests
+        figures.load_errors = result.errors
+        figures.load_p50_us, figures.load_p99_us = result.p50_us, result.p99_us
+        figures.rps = result.rps
+        if result.requests:
+            figures.cpu_us_per_request = used / result.requests * 1e6
+        rate = self.paced_rate or result.rps / 2
+        if rate > 0:
+            self._paced(port, rate, figures)
+        figures.rss_mib = proxy.rss_bytes() / (1 << 20)
+        return figures
+
+    def _paced(self, port: int, rate: float, figures: Figures) -> None:
+        """Latency with the bundled generator paced at `rate`."""
+        s = self.settings
+        paced = load.run_async(
+            load.paced(port, self.requests_for(port), s.connections, s.paced_s, rate)
+        )
+        figures.paced_rate_asked = rate
+        figures.paced_errors = paced.errors
+        if paced.requests:
+            figures.paced_rps = paced.rps
+            figures.paced_p50_us, figures.paced_p99_us = paced.p50_us, paced.p99_us
+
+    def profile_router(self, out: Path) -> str:
+        """Samples the router with py-spy under load; returns the hotspot table or why not."""
+        binary = profile.find_py_spy()
+        if binary is None or self.router is None:
+            return "no profile: py-spy is not installed (pip install py-spy)"
+        seconds = self.settings.profile_s
+        output = out / "router-profile.txt"
+        spy = profile.record(
+            binary, self.router.pid, seconds, output, native=self.settings.native_profile
+        )
+        time.sleep(0.5)  # py-spy attaches before the load starts
+        s = self.settings
+        port = self.router.port
+        load.run_async(load.closed_loop(port, self.requests_for(port), s.connections, seconds + 1))
+        _, stderr = spy.communicate(timeout=seconds + 60)
+        if spy.returncode != 0 or not output.exists():
+            return f"no profile: py-spy failed: {stderr.decode(errors='replace').strip()[-500:]}"
+        collapsed = output.read_text()
+        hotspots = profile.format_hotspots(profile.top_functions(collapsed, 25))
+        packages = profile.format_packages(profile.by_package(collapsed))
+        return f"router profile ({output}):\n{packages}\n{hotspots}"
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+
+def machine_facts() -> dict[str, Any]:
+    try:
+        load_average = list(os.getloadavg())
+    except OSError:
+        load_average = []
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_average_at_start": load_average,
+    }
+
+
+def _measure_target(
+    bench: Bench, name: str, start: Callable[[], Child], stop: bool, say: Callable[[str], None]
+) -> Figures:
+    say(f"measuring {name} ...")
+    try:
+        proxy = start()
+    except (StartFailure, OSError) as exc:
+        return Figures(name=name, status="failed", reason=f"did not start: {exc}")
+    try:
+        return bench.measure(name, proxy)
+    except (RuntimeError, OSError, ValueError, KeyError, SubprocessError, HTTPException) as exc:
+        return Figures(name=name, status="failed", reason=f"{type(exc).__name__}: {exc}")
+    finally:
+        if stop:
+            proxy.stop()
+
+
+def run_benchmark(settings: Settings, out: Path, say: Callable[[str], None] = print) -> Run:
+    """Runs everything and returns the figures (also written into `out`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    raise_fd_limit(65536)
+    run = Run(settings=_settings_json(settings), machine=machine_facts(), figures=[])
+    with tempfile.TemporaryDirectory(prefix="episode-router-bench-") as scratch:
+        bench = Bench(settings, Path(scratch))
+        try:
+            bench.start()
+            run.settings["load_tool"] = "wrk" if bench.wrk else "bundled"
+            router = bench.router
+            assert router is not None
+            measured = _measure_target(bench, "router", lambda: router, False, say)
+            bench.paced_rate = measured.rps / 2 if measured.rps else None
+            found = {name: find_peer(name) for name in settings.peers}
+            for name in settings.peers:
+                peer = found[name]
+                if peer.binary is None:
+                    run.figures.append(Figures(name=name, status="skipped", reason=peer.reason))
+                    say(f"skipping {name}: {peer.reason}")
+                    continue
+                start = functools.partial(bench.start_peer, name, peer.binary)
+                run.figures.append(_measure_target(bench, name, start, True, say))
+            run.figures.append(measured)
+            if settings.profile_s > 0:
+                say("profiling the router ...")
+                run.notes.append(bench.profile_router(out))
+        finally:
+            bench.stop()
+        direct = Figures(name=DIRECT)
+        direct.serial_p50_us = _median(bench.direct_p50s)
+        direct.serial_p99_us = _median(bench.direct_p99s)
+        run.figures.insert(0, direct)
+    fill_ratios(run)
+    run.targets = check_targets(run)
+    if not bench.wrk:
+        why = "--no-wrk" if not settings.use_wrk else "wrk not found: apt-get install wrk"
+        run.notes.append(f"load: the bundled generator ({why})")
+    _write(run, out, say)
+    return run
+
+
+def _median(values: Sequence[float]) -> float | None:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else None
+
+
+def _settings_json(settings: Settings) -> dict[str, Any]:
+    data = dataclasses.asdict(settings)
+    data["peers"] = list(settings.peers)
+    return data
+
+
+def _write(run: Run, out: Path, say: Callable[[str], None]) -> None:
+    problem = write_chart(run, out / "bench.png")
+    if problem is not None:
+        run.notes.append(problem)
+    (out / "bench.json").write_text(to_json(run))
+    table = format_table(run)
+    (out / "bench.txt").write_text(table + "\n")
+    say(table)
+    say(f"written: {out / 'bench.json'}" + ("" if problem else f", {out / 'bench.png'}"))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.run",
+        description="The router against nginx, HAProxy and Envoy: CPU per request, "
+        "throughput, added latency. Traffic stays on 127.0.0.1.",
+    )
+    parser.add_argument("--quick", action="store_true", help="a run of a few seconds per proxy")
+    parser.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        help="comma-separated peers to compare with (default: %(default)s; '' for none)",
+    )
+    parser.add_argument("--install", action="store_true", help="install missing peers and wrk")
+    parser.add_argument("--workers", type=int, default=None, help="worker processes (default 2)")
+    parser.add_argument("--connections", type=int, default=None, help="load connections (32)")
+    parser.add_argument("--duration", type=float, default=None, help="seconds of load (10)")
+    parser.add_argument("--serial", type=int, default=None, help="serial requests (5000)")
+    parser.add_argument("--peer-threads", type=int, default=None, help="threads per peer (1)")
+    parser.add_argument("--no-wrk", action="store_true", help="use the bundled load generator")
+    parser.add_argument(
+        "--profile", type=float, default=0.0, metavar="SECONDS", help="py-spy the router"
+    )
+    parser.add_argument("--no-native", action="store_true", help="profile Python frames only")
+    parser.add_argument(
+        "--out", default=str(ROOT / "bench" / "results"), help="where results are written"
+    )
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise ValueError(f"unknown peers {unknown}; choose from {', '.join(PEERS)}")
+    changes: dict[str, Any] = {
+        "peers": peers,
+        "use_wrk": not args.no_wrk,
+        "profile_s": args.profile,
+        "native_profile": not args.no_native,
+    }
+    for option, name in (
+        ("workers", "workers"),
+        ("connections", "connections"),
+        ("duration", "load_s"),
+        ("serial", "serial_requests"),
+        ("peer_threads", "peer_threads"),
+    ):
+        value = getattr(args, option)
+        if value is not None:
+            if value <= 0:
+                raise ValueError(f"--{option.replace('_', '-')} must be positive")
+            changes[name] = value
+    return Settings.quick(**changes) if args.quick else _replace(Settings(), **changes)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; 0 when the router was measured, 1 when it failed."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.install:
+        install_missing(settings.peers, print)
+    run = run_benchmark(settings, Path(args.out))
+    return 0 if run.by_name("router") is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""The benchmarks: their pure parts, and quick runs that must produce sane, positive figures.
+
+Nothing here asserts a time or a ratio: the machine running the suite is shared
+and the figures are only meaningful side by side in a full run. The quick
+harness compares the router with nginx when nginx is installed, and runs the
+router alone otherwise. `EPISODE_ROUTER_BENCH=1` adds the full-size runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # bench/ is a folder of the repository, not an installed package
+
+from bench.load import ReplyParser, build_request, parse_wrk, percentile, wrk_script  # noqa: E402
+from bench.peers import envoy_config, haproxy_config, nginx_config  # noqa: E402
+from bench.procstat import parse_stat, parse_status_kib  # noqa: E402
+from bench.profile import by_package, top_functions  # noqa: E402
+from bench.report import Figures, Run, check_targets, fill_ratios, format_table, to_json  # noqa: E402
+
+FULL = os.environ.get("EPISODE_ROUTER_BENCH") == "1"
+QUICK_TIMEOUT_S = 120
+
+
+# --- pure parts --------------------------------------------------------------------------------
+
+
+def test_reply_parser_counts_replies_split_anywhere_with_length_or_chunks() -> None:
+    stream = (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
+        b"HTTP/1.1 410 Gone\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+        b"HTTP/1.1 204 No Content\r\n\r\n"
+    )
+    whole = ReplyParser()
+    assert whole.feed(stream) == 3
+    assert whole.statuses == [200, 410, 204]
+    bytewise = ReplyParser()
+    ends = [bytewise.feed(stream[i : i + 1]) for i in range(len(stream))]
+    assert sum(ends) == 3
+    assert bytewise.statuses == [200, 410, 204]
+    # Each reply ends exactly on its last byte.
+    assert [i for i, n in enumerate(ends) if n] == [
+        stream.index(b"hello") + 4,
+        stream.index(b"0\r\n\r\n") + 4,
+        len(stream) - 1,
+    ]
+
+
+def test_reply_parser_refuses_what_is_not_http() -> None:
+    with pytest.raises(ValueError, match="not an HTTP"):
+        ReplyParser().feed(b"SSH-2.0-OpenSSH\r\n\r\n")
+
+
+def test_a_request_carries_the_token_and_its_exact_body_length() -> None:
+    request = build_request("a.b.c", 8080, b"{}")
+    assert request == (
+        b"POST /tools/echo HTTP/1.1\r\nHost: 127.0.0.1:8080\r\n"
+        b"X-NeMo-Gym-Episode-Token: a.b.c\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 2\r\n\r\n{}"
+    )
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = list(range(1, 101))
+    assert percentile(values, 0.5) == 50
+    assert percentile(values, 0.99) == 99
+    assert percentile([7], 0.99) == 7
+    assert percentile([], 0.5) == 0.0
+
+
+WRK_REPORT = """Running 1s test @ http://127.0.0.1:18777/tools/echo
+  1 threads and 4 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency     1.08ms    2.09ms  16.90ms   88.78%
+    Req/Sec    11.93k     7.45k   19.34k    80.00%
+  Latency Distribution
+     50%  206.00us
+     75%  596.00us
+     90%    3.46ms
+     99%   11.11ms
+  11885 requests in 1.00s, 1.81MB read
+  Socket errors: connect 0, read 2, write 0, timeout 1
+  Non-2xx or 3xx responses: 4
+Requests/sec:  11839.25
+Transfer/sec:      1.81MB
+"""
+
+
+def test_wrk_report_gives_requests_seconds_percentiles_and_errors() -> None:
+    result = parse_wrk(WRK_REPORT)
+    assert (result.tool, result.requests, result.seconds) == ("wrk", 11885, 1.0)
+    assert (result.p50_us, result.p99_us) == (206.0, 11110.0)
+    assert result.errors == 7
+    assert result.rps == 11885.0
+    with pytest.raises(ValueError, match="lacks its figures"):
+        parse_wrk("unable to connect to 127.0.0.1:1 Connection refused")
+
+
+def test_wrk_script_cycles_through_every_token() -> None:
+    script = wrk_script(["t1", "t2"], b'{"a": 1}')
+    assert '  "t1",\n  "t2"\n' in script
+    assert '["X-NeMo-Gym-Episode-Token"] = token' in script
+    assert 'local body = [[{"a": 1}]]' in script
+
+
+def test_proc_stat_is_read_past_a_command_name_with_spaces_and_parentheses() -> None:
+    fields = " ".join(str(n) for n in range(5, 53))  # field n holds n: utime is 14, stime 15
+    stat = parse_stat(f"4242 (nginx: worker (x)) S 17 {fields}")
+    assert (stat.pid, stat.ppid) == (4242, 17)
+    assert (stat.utime_ticks, stat.stime_ticks) == (14, 15)
+    with pytest.raises(ValueError):
+        parse_stat("4242 nginx S 1")
+    status = "Name:\tpython\nVmHWM:\t  52000 kB\nVmRSS:\t  51234 kB\n"
+    assert parse_status_kib(status, "VmRSS") == 51234
+    assert parse_status_kib(status, "VmHWM") == 52000
+    with pytest.raises(KeyError):
+        parse_status_kib("Name:\tzombie\n", "VmRSS")
+
+
+def test_peers_are_configured_sticky_on_the_token_header() -> None:
+    nginx = nginx_config(8081, [9001, 9002], Path("/tmp/x"), 1)
+    assert "hash $http_x_nemo_gym_episode_token consistent;" in nginx
+    assert "server 127.0.0.1:9001;" in nginx and "server 127.0.0.1:9002;" in nginx
+    assert "listen 127.0.0.1:8081" in nginx
+    haproxy = haproxy_config(8082, [9001], 1)
+    assert "balance hdr(X-NeMo-Gym-Episode-Token)" in haproxy
+    assert "bind 127.0.0.1:8082" in haproxy
+    envoy = json.loads(envoy_config(8083, [9001, 9002]))
+    resources = envoy["static_resources"]
+    cluster = resources["clusters"][0]
+    assert cluster["lb_policy"] == "RING_HASH"
+    assert [
+        e["endpoint"]["address"]["socket_address"]["port_value"]
+        for e in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ] == [9001, 9002]
+    manager = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    route = manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    assert route["hash_policy"] == [{"header": {"header_name": "x-nemo-gym-episode-token"}}]
+
+
+def test_top_functions_sum_self_and_total_samples_per_function() -> None:
+    collapsed = (
+        "main (a.py:1);handle (app.py:10);parse (t.py:5) 6\n"
+        "main (a.py:1);handle (app.py:12) 3\n"
+        "main (a.py:2);write (w.py:7) 1\n"
+        "garbage line\n"
+    )
+    spots = {h.function: h for h in top_functions(collapsed)}
+    assert set(spots) == {"parse (t.py)", "handle (app.py)", "write (w.py)"}
+    assert spots["parse (t.py)"].self_share == pytest.approx(0.6)
+    assert spots["handle (app.py)"].self_share == pytest.approx(0.3)
+    assert spots["handle (app.py)"].total_share == pytest.approx(0.9)
+    assert top_functions("") == []
+
+
+def test_samples_are_charged_to_gc_epoll_libc_or_the_innermost_python_package() -> None:
+    collapsed = (
+        "run (asyncio/runners.py:1);send (aiohttp/http_writer.py:9);write (libc.so.6) 4\n"
+        "run (asyncio/runners.py:1);handle (router/app.py:3);Py_DECREF (object.h:5) 3\n"
+        "run (asyncio/runners.py:1);handle (router/app.py:3);gc_collect_main (libpython3.11.so) 2\n"
+        "run (asyncio/runners.py:1);epoll_pwait (libc.so.6) 1\n"
+    )
+    shares = by_package(collapsed)
+    assert [name for name, _ in shares] == [
+        "libc (system calls)",
+        "router",
+        "garbage collector",
+        "waiting in epoll",
+    ]
+    assert [share for _, share in shares] == pytest.approx([0.4, 0.3, 0.2, 0.1])
+    assert by_package("") == []
+
+
+def _figures(name: str, cpu: float, rps: float, added: float, half_p99: float) -> Figures:
+    return Figures(
+        name=name, cpu_us_per_request=cpu, rps=rps, added_p50_us=added, paced_p99_us=half_p99
+    )
+
+
+def test_ratios_and_targets_against_nginx_in_the_same_run() -> None:
+    run = Run(
+        settings={},
+        machine={"cpus": 2},
+        figures=[
+            _figures("nginx", 50.0, 10000.0, 100.0, 900.0),
+            _figures("router", 70.0, 9500.0, 130.0, 1200.0),
+            Figures(name="envoy", status="skipped", reason="not installed"),
+        ],
+    )
+    fill_ratios(run)
+    run.targets = check_targets(run)
+    router = run.figures[1]
+    assert router.ratios == {
+        "cpu": pytest.approx(1.4),
+        "rps": pytest.approx(0.95),
+        "added_p50": pytest.approx(1.3),
+    }
+    assert [check.met for check in run.targets] == [True, False, False, True]
+    table = format_table(run)
+    assert "skipped: envoy: not installed" in table
+    assert "NOT met  serial added latency p50 <= 1.2x nginx: 1.30x" in table
+    data = json.loads(to_json(run))
+    assert data["skipped"] == {"envoy": "not installed"}
+    assert [p["name"] for p in data["proxies"]] == ["nginx", "router", "envoy"]
+
+
+def test_without_nginx_the_ratio_targets_are_not_measured() -> None:
+    run = Run(settings={}, machine={}, figures=[_figures("router", 70.0, 9500.0, 130.0, 800.0)])
+    fill_ratios(run)
+    checks = check_targets(run)
+    assert [check.met for check in checks] == [None, None, True, None]
+    assert checks[0].measured == "not measured (nginx skipped)"
+
+
+# --- quick runs ------------------------------------------------------------------------------
+
+
+def _module(*argv: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def _nginx_installed() -> bool:
+    return any(Path(folder, "nginx").is_file() for folder in ("/usr/sbin", "/usr/local/sbin")) or (
+        shutil.which("nginx") is not None
+    )
+
+
+def _positive(figures: dict[str, Any], *names: str) -> None:
+    for name in names:
+        value = figures[name]
+        assert isinstance(value, int | float) and value > 0, f"{figures['name']}.{name} = {value}"
+
+
+def test_quick_harness_measures_the_router_and_nginx_when_installed(tmp_path: Path) -> None:
+    peers = "nginx" if _nginx_installed() else ""
+    argv = ["bench.run", "--quick", "--peers", peers, "--duration", "1", "--serial", "200"]
+    done = _module(*argv, "--out", str(tmp_path), timeout=QUICK_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads((tmp_path / "bench.json").read_text())
+    proxies = {p["name"]: p for p in data["proxies"]}
+    assert set(proxies) == ({"direct", "router", "nginx"} if peers else {"direct", "router"})
+    router = proxies["router"]
+    assert router["status"] == "ok", router["reason"]
+    _positive(router, "cpu_us_per_request", "rps", "serial_p50_us", "serial_p99_us", "processes")
+    _positive(router, "load_requests", "paced_rps", "paced_p50_us", "paced_p99_us", "rss_mib")
+    assert router["load_errors"] == 0 and router["paced_errors"] == 0
+    assert router["serial_p50_us"] <= router["serial_p99_us"]
+    _positive(proxies["direct"], "serial_p50_us")
+    assert [t["target"] for t in data["targets"]][2].startswith("p99 <= 1000 us")
+    if peers:
+        nginx = proxies["nginx"]
+        assert nginx["status"] == "ok", nginx["reason"]
+        _positive(nginx, "cpu_us_per_request", "rps", "serial_p50_us")
+        assert nginx["processes"] >= 2  # the master and its worker, summed
+        assert router["ratios"]["cpu"] > 0 and router["ratios"]["rps"] > 0
+    assert "router" in done.stdout and "targets (router):" in done.stdout
+
+
+def test_quick_micro_benchmarks_run_and_give_positive_figures(tmp_path: Path) -> None:
+    out = tmp_path / "micro.json"
+    done = _module("bench.micro", "--quick", "--json", str(out), timeout=QUICK_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(out.read_text())
+    assert data["quick"] is True and data["failures"] == {}
+    figures = data["figures"]
+    assert {f["bench"] for f in figures} == {"claims", "tokens", "control", "streaming", "idle"}
+    for figure in figures:
+        assert figure["value"] > 0 or figure["bench"] == "streaming", figure
+        assert figure["value"] >= 0, figure
+        assert figure["met"] is None  # quick sizes are never judged against the targets
+    streams = [f["name"] for f in figures if f["bench"] == "streaming"]
+    assert streams == [
+        "64 MiB request: router RSS growth",
+        "64 MiB reply: router RSS growth",
+    ]
+
+
+# --- full runs (EPISODE_ROUTER_BENCH=1) -------------------------------------------------------
+
+
+@pytest.mark.skipif(not FULL, reason="full benchmarks run with EPISODE_ROUTER_BENCH=1")
+@pytest.mark.timeout(3600)
+def test_full_benchmark_and_micro_benchmarks(tmp_path: Path) -> None:
+    done = _module("bench.run", "--out", str(tmp_path), timeout=3000)
+    assert done.returncode == 0, done.stdout + done.stderr
+    print(done.stdout)
+    micro = _module("bench.micro", "--json", str(tmp_path / "micro.json"), timeout=3000)
+    assert micro.returncode == 0, micro.stdout + micro.stderr
+    print(micro.stdout)
