@@ -11,11 +11,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from router.answers import Answer, render
 from router.core import Forward, RouterCore
 from router.forward import Forwarder, Upstream, UpstreamFailure
+from router.framing import framing_problem
 from router.learn import ReplyLearner, plan_learning
 from router.metrics import RouterMetrics
 from router.sessions import SessionReader, SessionRef
@@ -33,7 +34,9 @@ def answer_response(answer: Answer, request: web.BaseRequest | None = None) -> w
     """The HTTP response for one of the router's own answers."""
     status, headers, body = render(answer)
     response = web.Response(status=status, body=body, headers=headers)
-    if request is not None and request.body_exists and not request.content.is_eof():
+    if answer.code == "bad_request":
+        response.force_close()  # its framing cannot be trusted: nothing after it either
+    elif request is not None and request.body_exists and not request.content.is_eof():
         # The body was not read: close rather than leave its bytes on a kept-alive
         # connection, and never send 100 Continue for a request we refuse.
         response.force_close()
@@ -111,6 +114,15 @@ class PublicHandler:
         if self.shutting_down:
             return Answer("shutting_down", "The router is shutting down.", retry_after_s=1.0)
         length = request.content_length
+        problem = framing_problem(
+            request.method,
+            (request.version.major, request.version.minor),
+            request.headers.getall(hdrs.TRANSFER_ENCODING, ()),
+            length,
+            request.raw_path,
+        )
+        if problem is not None:
+            return Answer("bad_request", problem)
         if self.max_body_bytes is not None and length is not None and length > self.max_body_bytes:
             return Answer("payload_too_large", "The request body is over the router's limit.")
         return None

@@ -1,0 +1,44 @@
+"""Request framing the parser lets through but the router refuses (DESIGN §8).
+
+aiohttp's parser already refuses the worst (CL with TE, repeated or odd
+Content-Length, bad syntax). What it accepts and a proxy must not pass on:
+
+- a Transfer-Encoding other than plain `chunked` (`gzip, chunked`): the parser
+  undoes only the chunking, so the worker would get a still-coded body with
+  nothing saying so; like nginx, only `chunked` is accepted;
+- Transfer-Encoding below HTTP/1.1, whose framing RFC 9112 §6.1 calls faulty;
+- a body on GET or HEAD: it has no meaning there, and a worker that does not
+  read it would take it as its next request on a kept-alive connection;
+- a `#` in the request target: a target has no fragment (RFC 9112 §3.2), and
+  the part after it would be read differently by the router and the worker.
+
+Pure: takes what the parser produced, returns a problem or None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+_BODYLESS_METHODS = frozenset({"GET", "HEAD"})
+
+
+def framing_problem(
+    method: str,
+    version: tuple[int, int],
+    transfer_encodings: Sequence[str],
+    content_length: int | None,
+    raw_target: str,
+) -> str | None:
+    """One sentence saying why the request is refused, or None to go on."""
+    if transfer_encodings:
+        if version < (1, 1):
+            return "Transfer-Encoding needs HTTP/1.1."
+        codings = ",".join(transfer_encodings).replace(" ", "").replace("\t", "").lower()
+        if codings != "chunked":
+            return "Only Transfer-Encoding: chunked is accepted."
+    has_body = bool(transfer_encodings) or bool(content_length)
+    if has_body and method in _BODYLESS_METHODS:
+        return f"A {method} request carries no body here."
+    if "#" in raw_target:
+        return "A request target has no fragment (#)."
+    return None
