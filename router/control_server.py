@@ -1,9 +1,13 @@
 """The control socket's I/O: listen, read lines, hand them to `ControlSession`.
 
 Owns the listening socket (Unix, created under umask 0117 so it is mode 0660
-from the first instant, or loopback TCP) and one task per connection. It never
-decides anything about claims or leases: `router.control` and `router.core`
-do.
+from the first instant, or loopback TCP) and one protocol object per
+connection. It never decides anything about claims or leases:
+`router.control` and `router.core` do.
+
+Each connection is a plain asyncio Protocol rather than a stream task: every
+line that arrived in one read is answered in one write, which is what lets a
+pipelining worker reach tens of thousands of claims a second.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import stat
 import struct
 import time
 from collections.abc import Callable
+from typing import cast
 
 from router.control import (
     MAX_LINE_BYTES,
@@ -37,6 +42,9 @@ log = logging.getLogger("episode_router.control")
 # Stop reading a connection with more than this many unsent reply bytes (DESIGN §3).
 WRITE_BUFFER_HIGH = 1 << 20
 CLOSE_WAIT_S = 1.0  # at shutdown, how long connections get to end after their transport closed
+# A connection must say hello this soon, or it is closed: a peer that never does
+# would hold a descriptor for ever. Workers say hello as their first line.
+HELLO_DEADLINE_S = 10.0
 
 
 class ControlSocketInUse(OSError):
@@ -84,13 +92,113 @@ def _socket_is_live(path: str) -> bool:
     return True
 
 
-def peer_of(writer: asyncio.StreamWriter) -> Peer:
-    sock = writer.get_extra_info("socket")
+def peer_of(transport: asyncio.BaseTransport) -> Peer:
+    sock = transport.get_extra_info("socket")
     if sock is not None and sock.family == socket.AF_UNIX:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         pid, uid, _gid = struct.unpack("3i", creds)
         return Peer(uid=uid, tcp=False, pid=pid)
     return Peer(uid=None, tcp=True)
+
+
+class _Connection(asyncio.Protocol):
+    """One control connection: splits lines, answers them, applies backpressure."""
+
+    def __init__(self, server: ControlServer) -> None:
+        self._server = server
+        self._buffer = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.session: ControlSession | None = None
+        self._hello_timer: asyncio.TimerHandle | None = None
+        self.closed = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, but behave as one.
+        self.transport = cast(asyncio.Transport, transport)
+        server = self._server
+        self.session = ControlSession(server.core, server.policy, peer_of(transport))
+        # While more than WRITE_BUFFER_HIGH of replies is unsent, pause_writing stops
+        # reading this peer (DESIGN §3 backpressure).
+        self.transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
+        loop = asyncio.get_running_loop()
+        self._hello_timer = loop.call_later(server.hello_deadline_s, self._hello_overdue)
+        server.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        end = buffer.rfind(b"\n")
+        if end < 0:
+            if len(buffer) >= MAX_LINE_BYTES:
+                self._refuse_long_line()
+            return
+        lines = bytes(buffer[: end + 1]).split(b"\n")
+        del buffer[: end + 1]
+        replies = []
+        for line in lines[:-1]:  # the last piece is empty: every line ended in \n
+            if len(line) >= MAX_LINE_BYTES:  # the newline makes it one over
+                replies.append(encode(error_reply(None, "bad_request", "Line over 1 MiB.")))
+                self._write_and_close(b"".join(replies))
+                return
+            if line.strip():
+                replies.append(encode(self._answer(line)))
+        if replies:
+            assert self.transport is not None
+            self.transport.write(b"".join(replies))
+        if len(buffer) >= MAX_LINE_BYTES:
+            self._refuse_long_line()
+
+    def eof_received(self) -> bool:
+        if self._buffer.strip():
+            self._write_and_close(encode(error_reply(None, "bad_request", "Unterminated line.")))
+        return False  # close the transport
+
+    def pause_writing(self) -> None:
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        self._server.connection_closed(self)
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _answer(self, line: bytes) -> dict[str, object]:
+        server = self._server
+        session = self.session
+        assert session is not None
+        request = decode_line(line)
+        # decode_line returns the error reply itself (it has "ok") for a bad line.
+        reply = request if "ok" in request else session.handle(request, server.clock())
+        server.observe(session, request, reply)
+        if session.worker is not None and self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
+        return reply
+
+    def _refuse_long_line(self) -> None:
+        self._buffer.clear()
+        self._write_and_close(encode(error_reply(None, "bad_request", "Line over 1 MiB.")))
+
+    def _write_and_close(self, data: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(data)
+            self.transport.close()
+
+    def _hello_overdue(self) -> None:
+        self._hello_timer = None
+        if self.session is not None and self.session.worker is None:
+            log.info("control connection closed: no hello in time")
+            self._write_and_close(encode(error_reply(None, "no_hello", "No hello in time.")))
 
 
 class ControlServer:
@@ -104,22 +212,23 @@ class ControlServer:
         on_lease_lost: Callable[[Worker], None],
         metrics: RouterMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        hello_deadline_s: float = HELLO_DEADLINE_S,
     ) -> None:
         self._metrics = metrics
         self.core = core
         self.policy = policy
         self._on_lease_lost = on_lease_lost
-        self._clock = clock
+        self.clock = clock
+        self.hello_deadline_s = hello_deadline_s
         self._server: asyncio.Server | None = None
         self._sock: socket.socket | None = None
         self._unix_path: str | None = None
-        self._connections: dict[ControlSession, asyncio.Task[None]] = {}
-        self._writers: dict[ControlSession, asyncio.StreamWriter] = {}
+        self.connections: set[_Connection] = set()
         self._closing = False
 
     @property
     def connection_count(self) -> int:
-        return len(self._connections)
+        return len(self.connections)
 
     async def start(self, address: str) -> None:
         """Listen on `unix:/path` or `tcp://host:port` and serve."""
@@ -144,15 +253,12 @@ class ControlServer:
 
     async def serve(self) -> None:
         assert self._sock is not None, "bind() first"
-        # readuntil accepts a separator found at index == limit: a limit of one less
-        # than the maximum line (newline included) keeps lines at 1 MiB at most.
-        limit = MAX_LINE_BYTES - 1
+        loop = asyncio.get_running_loop()
+        factory = lambda: _Connection(self)  # noqa: E731 - one Protocol per connection
         if self._unix_path is not None:
-            self._server = await asyncio.start_unix_server(
-                self._serve, sock=self._sock, limit=limit
-            )
+            self._server = await loop.create_unix_server(factory, sock=self._sock)
         else:
-            self._server = await asyncio.start_server(self._serve, sock=self._sock, limit=limit)
+            self._server = await loop.create_server(factory, sock=self._sock)
 
     @property
     def tcp_port(self) -> int | None:
@@ -162,11 +268,9 @@ class ControlServer:
 
     def close_lease(self, worker: Worker) -> None:
         """Close the connection holding `worker`'s lease (it went silent or exited)."""
-        session = worker.lease
-        if isinstance(session, ControlSession):
-            writer = self._writers.get(session)
-            if writer is not None:
-                writer.close()
+        for connection in list(self.connections):
+            if connection.session is not None and connection.session is worker.lease:
+                connection.close()
 
     async def close(self) -> None:
         """Stop listening, close every connection, remove the socket file."""
@@ -175,76 +279,40 @@ class ControlServer:
             self._server.close()
         elif self._sock is not None:
             self._sock.close()  # bound but never served
-        for writer in list(self._writers.values()):
-            writer.close()
-        # Closed transports end each connection's read loop on its own; cancel
-        # only what is stuck (a cancelled handler task is logged by asyncio).
-        tasks = list(self._connections.values())
-        if tasks:
-            _, stuck = await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
-            for task in stuck:
-                task.cancel()
-            await asyncio.gather(*stuck, return_exceptions=True)
+        connections = list(self.connections)
+        for connection in connections:
+            connection.close()
+        if connections:
+            await asyncio.wait([c.closed for c in connections], timeout=CLOSE_WAIT_S)
         if self._server is not None:
             await self._server.wait_closed()
         if self._unix_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._unix_path)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        session = ControlSession(self.core, self.policy, peer_of(writer))
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections[session] = task
-        self._writers[session] = writer
-        writer.transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
-        try:
-            await self._read_lines(session, reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            del self._connections[session]
-            del self._writers[session]
-            worker = session.closed(self._clock())
-            writer.close()
-            if worker is not None and not self._closing:
-                log.info("worker lease lost", extra={"worker": worker.id})
-                self._on_lease_lost(worker)
+    def connection_closed(self, connection: _Connection) -> None:
+        self.connections.discard(connection)
+        if connection.session is None:
+            return
+        worker = connection.session.closed(self.clock())
+        if worker is not None and not self._closing:
+            log.info("worker lease lost", extra={"worker": worker.id})
+            self._on_lease_lost(worker)
 
-    def _count(self, request: dict[str, object], reply: dict[str, object]) -> None:
-        assert self._metrics is not None
+    def observe(
+        self, session: ControlSession, request: dict[str, object], reply: dict[str, object]
+    ) -> None:
+        """Metrics and the log line for one answered request."""
         op = request.get("op") if "ok" not in request else None
-        result = "ok" if reply.get("ok") else str(reply.get("error"))
+        ok = bool(reply.get("ok"))
+        if op == "hello" and ok and session.worker is not None:
+            worker = session.worker
+            log.info("worker live", extra={"worker": worker.id, "url": worker.url})
+        if self._metrics is None:
+            return
+        result = "ok" if ok else str(reply.get("error"))
         self._metrics.control_op(op if isinstance(op, str) else "invalid", result)
         if result == "conflict":
             self._metrics.claim_conflict()
-        if op == "hello" and result == "ok":
+        if op == "hello" and ok:
             self._metrics.worker_transition("live")
-
-    async def _read_lines(
-        self, session: ControlSession, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        while True:
-            try:
-                line = await reader.readuntil(b"\n")
-            except asyncio.LimitOverrunError:
-                writer.write(encode(error_reply(None, "bad_request", "Line over 1 MiB.")))
-                return
-            except asyncio.IncompleteReadError as eof:
-                if eof.partial.strip():
-                    writer.write(encode(error_reply(None, "bad_request", "Unterminated line.")))
-                return
-            if not line.strip():
-                continue
-            request = decode_line(line)
-            # decode_line returns the error reply itself (it has "ok") for a bad line.
-            reply = request if "ok" in request else session.handle(request, self._clock())
-            if self._metrics is not None:
-                self._count(request, reply)
-            if request.get("op") == "hello" and reply.get("ok") and session.worker is not None:
-                worker = session.worker
-                log.info("worker live", extra={"worker": worker.id, "url": worker.url})
-            writer.write(encode(reply))
-            # drain() only waits while more than WRITE_BUFFER_HIGH is unsent: that is
-            # the backpressure of DESIGN §3, and it costs nothing otherwise.
-            await writer.drain()

@@ -392,3 +392,33 @@ async def test_bye_retires_the_worker_and_is_not_a_lost_lease(tmp_path: Path) ->
 
         await wait_until(_no_connections(control), "the connection to end")
         assert control.lost == []
+
+
+async def test_a_connection_that_never_says_hello_is_closed_at_the_deadline(
+    tmp_path: Path,
+) -> None:
+    core = RouterCore(CoreSettings(kinds={"episode": False}), time.monotonic())
+    policy = ControlPolicy(
+        own_uid=os.getuid(),
+        allowed_uids=frozenset(),
+        allowed_upstreams=frozenset(),
+        secret=None,
+        router_boot="r1",
+    )
+    server = ControlServer(core, policy, on_lease_lost=lambda worker: None, hello_deadline_s=0.3)
+    path = tmp_path / "c.sock"
+    await server.start(f"unix:{path}")
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(path))
+        writer.write(b'{"op":"ping","id":1}\n')  # not a hello: it does not count
+        started = time.monotonic()
+        first = json.loads(await reader.readline())
+        assert first["error"] == "no_hello"
+        last = json.loads(await asyncio.wait_for(reader.readline(), 2.0))
+        assert (last["error"], last["id"]) == ("no_hello", None)
+        assert await reader.read() == b""
+        assert 0.25 <= time.monotonic() - started < 2.0
+        assert server.connection_count == 0
+        writer.close()
+    finally:
+        await server.close()
