@@ -10,7 +10,9 @@ Content-Length, bad syntax). What it accepts and a proxy must not pass on:
 - a body on GET or HEAD: it has no meaning there, and a worker that does not
   read it would take it as its next request on a kept-alive connection;
 - a `#` in the request target: a target has no fragment (RFC 9112 §3.2), and
-  the part after it would be read differently by the router and the worker.
+  the part after it would be read differently by the router and the worker;
+- CONNECT and the asterisk form (`OPTIONS *`): the router forwards requests for
+  a worker's resources, never a tunnel, and `*` names no resource of a worker.
 
 Pure: takes what the parser produced, returns a problem or None.
 """
@@ -41,4 +43,8 @@ def framing_problem(
         return f"A {method} request carries no body here."
     if "#" in raw_target:
         return "A request target has no fragment (#)."
+    if method == "CONNECT":
+        return "CONNECT is not forwarded: the router opens no tunnels."
+    if raw_target == "*":
+        return "The asterisk form (OPTIONS *) names no worker resource."
     return None

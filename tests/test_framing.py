@@ -22,6 +22,9 @@ from router.framing import framing_problem
         ("GET", (1, 1), [], 3, "/x", "A GET request carries no body here."),
         ("HEAD", (1, 1), ["chunked"], None, "/x", "A HEAD request carries no body here."),
         ("GET", (1, 1), [], None, "/a#/../b", "A request target has no fragment (#)."),
+        ("CONNECT", (1, 1), [], None, "worker:443", "CONNECT is not forwarded"),
+        ("OPTIONS", (1, 1), [], None, "*", "The asterisk form (OPTIONS *)"),
+        ("OPTIONS", (1, 1), [], None, "/x", None),
     ],
 )
 def test_framing_problems(
