@@ -15,10 +15,10 @@ from aiohttp import hdrs, web
 
 from router.answers import Answer, render
 from router.core import Forward, RouterCore
-from router.forward import Forwarder, Upstream, UpstreamFailure
 from router.framing import framing_problem
 from router.learn import ReplyLearner, plan_learning
 from router.metrics import RouterMetrics
+from router.relay import Forwarder, Upstream, UpstreamFailure
 from router.sessions import SessionReader, SessionRef
 from router.workers import Worker, WorkerState
 
@@ -142,6 +142,10 @@ class PublicHandler:
             outcome = await self._forward_once(exchange, decision)
             if not isinstance(outcome, UpstreamFailure):
                 return outcome
+            if outcome.kind == "too_large":
+                return exchange.answer(
+                    Answer("payload_too_large", "The request body is over the router's limit.")
+                )
             if self.metrics is not None:
                 self.metrics.upstream_failure(worker.id, outcome.kind)
             gone = outcome.kind != "timeout" and await self._check_worker(worker)

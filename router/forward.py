@@ -34,7 +34,8 @@ __all__ = ["ForwardTimeouts", "Forwarder", "ReplyObserver", "Upstream", "Upstrea
 
 log = logging.getLogger("episode_router.forward")
 
-FailureKind = Literal["refused", "error", "timeout"]
+# too_large: a streamed request body went over the body limit (the router answers 413).
+FailureKind = Literal["refused", "error", "timeout", "too_large"]
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) plus the legacy ones proxies still see.
 # Any other `Proxy-*` name is dropped too (see `_is_hop_by_hop`).

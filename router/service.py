@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import secrets
@@ -26,11 +27,11 @@ from router.control import ControlPolicy, ControlSession
 from router.control_server import ControlServer
 from router.core import CoreSettings, RouterCore
 from router.edge import EdgeServer
-from router.forward import Forwarder, ForwardTimeouts
 from router.health import HealthProber, probe_connect
 from router.journal import JournalFile, replay
 from router.logs import setup_logging
 from router.metrics import RouterMetrics
+from router.relay import Forwarder, ForwardTimeouts
 from router.reload import ReloadPlan, effective_config, plan_reload
 from router.sessions import SessionKind, SessionReader, kind_from_config
 from router.spawn import SpawnedWorker, Spawner, SpawnSpec
@@ -69,6 +70,7 @@ class RouterService:
         self._clock = time.monotonic
         self.core = RouterCore(core_settings(config), self._clock(), on_retire=self._retired)
         self.forwarder = Forwarder(forward_timeouts(config))
+        self.forwarder.max_body_bytes = config.limits.max_body_bytes
         self.metrics = self._build_metrics()
         self.control = ControlServer(
             self.core, self._control_policy(), on_lease_lost=self._lease_lost, metrics=self.metrics
@@ -311,6 +313,7 @@ class RouterService:
         self.core.claims.max_tombstones = target.claims.max_tombstones
         self.handler.sessions = reader
         self.handler.max_body_bytes = target.limits.max_body_bytes
+        self.forwarder.max_body_bytes = target.limits.max_body_bytes
         self.control.policy = self._control_policy(target)
         self.forwarder.set_timeouts(forward_timeouts(target))
         if self._edge is not None:
@@ -406,6 +409,22 @@ def _bound_port(runner: web.BaseRunner) -> int:
     return int(address[1])
 
 
+# The collector's first generation runs after this many more container objects are
+# allocated than freed (CPython's default: 700). A forward leaves almost no cycles behind,
+# so under load the default ran gen-0 passes that found nothing: measured with
+# gc.callbacks under wrk, 0.6-0.9 µs of CPU per request at 700, none at 50,000 (it was
+# 24 µs per request with aiohttp's client, whose objects survived into gen 2).
+GC_GEN0_THRESHOLD = 50_000
+
+
+def tune_gc() -> None:
+    """Once the router is up: everything built at startup (modules, config, the journal's
+    replay) moves out of the collector's view, and gen 0 is collected less often."""
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
+
+
 async def run_until_signalled(service: RouterService) -> None:
     """Start, wait for SIGTERM or SIGINT, stop."""
     import signal
@@ -416,6 +435,7 @@ async def run_until_signalled(service: RouterService) -> None:
         loop.add_signal_handler(signum, stop.set)
     loop.add_signal_handler(signal.SIGHUP, _reload_on_signal, service)
     await service.start()
+    tune_gc()
     try:
         await stop.wait()
     finally:

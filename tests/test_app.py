@@ -752,3 +752,24 @@ async def test_an_sse_event_reaches_the_client_before_the_next_is_sent(rig: Rig)
         second = await asyncio.wait_for(reply.content.readuntil(b"\n\n"), 5)
         assert second == b"data: second\n\n"
         assert await reply.content.read() == b""
+
+
+async def test_a_streamed_chunked_body_over_the_limit_gets_413_and_never_completes(
+    rig: Rig, tmp_path: Path
+) -> None:
+    limits = dataclasses.replace(LimitsConfig(), max_body_bytes=100_000)
+    await rig.start_router(router_config(tmp_path, limits=limits))
+    worker = await rig.add_worker("w0")
+    conn = await RawHttp.open(rig.router.public_port)
+    try:
+        conn.send(b"POST /upload HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"x" * 50_000
+        for _ in range(4):  # 200,000 bytes in four chunks, as they would stream
+            conn.send(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+            await asyncio.sleep(0.01)
+        conn.send(b"0\r\n\r\n")
+        status, _, body = await conn.read_reply()
+    finally:
+        conn.close()
+    assert status == 413 and json.loads(body)["error"] == "payload_too_large"
+    assert worker.seen == []  # the worker never got a complete request

@@ -5,6 +5,9 @@ upstream. Workers are aiohttp apps, or `RawWorker` (scripted bytes) where the re
 framing is the point, on loopback and on Unix sockets under tmp_path. Clients are aiohttp
 clients, or raw sockets where the request's framing or the reply's exact bytes matter.
 The header rules are also tested as pure functions, with no event loop.
+
+Every test that forwards runs against both forwarders with the same interface: the one
+built on aiohttp's client (router.forward) and the lean one (router.relay).
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
+from router import forward, relay
 from router.forward import (
-    Forwarder,
     ForwardTimeouts,
     Upstream,
     UpstreamFailure,
@@ -47,14 +50,41 @@ Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 # --- rig -----------------------------------------------------------------------------------
 
 
+Forwarder = forward.Forwarder | relay.Forwarder
+# Every test of the forwarding contract runs against both implementations: the one built
+# on aiohttp's client and the lean one on the router's own pools (router.relay).
+IMPLEMENTATIONS: dict[str, type[Forwarder]] = {
+    "aiohttp-client": forward.Forwarder,
+    "relay": relay.Forwarder,
+}
+
+
+@pytest.fixture(params=sorted(IMPLEMENTATIONS))
+def forwarder_class(request: pytest.FixtureRequest) -> type[Forwarder]:
+    return IMPLEMENTATIONS[request.param]
+
+
+class Rig(AsyncExitStack):
+    """The resources of one test, closed in reverse, and the Forwarder it runs against."""
+
+    def __init__(self, forwarder_class: type[Forwarder]) -> None:
+        super().__init__()
+        self.forwarder_class = forwarder_class
+
+    def forwarder(self, timeouts: ForwardTimeouts = TIMEOUTS, pool_size: int = 256) -> Forwarder:
+        forwarder = self.forwarder_class(timeouts, pool_size_per_upstream=pool_size)
+        self.push_async_callback(forwarder.close)
+        return forwarder
+
+
 @pytest.fixture
-async def stack() -> AsyncIterator[AsyncExitStack]:
-    async with AsyncExitStack() as resources:
+async def stack(forwarder_class: type[Forwarder]) -> AsyncIterator[Rig]:
+    async with Rig(forwarder_class) as resources:
         yield resources
 
 
 async def serve(
-    stack: AsyncExitStack,
+    stack: Rig,
     app: web.Application,
     *,
     handler_cancellation: bool = False,
@@ -73,7 +103,7 @@ async def serve(
     return 0 if unix_path is not None else int(runner.addresses[0][1])
 
 
-async def serve_worker(stack: AsyncExitStack, app: web.Application, **kwargs: Any) -> Upstream:
+async def serve_worker(stack: Rig, app: web.Application, **kwargs: Any) -> Upstream:
     port = await serve(stack, app, **kwargs)
     return Upstream("w1", f"http://127.0.0.1:{port}")
 
@@ -108,15 +138,14 @@ class Router:
 
 
 async def start_router(
-    stack: AsyncExitStack,
+    stack: Rig,
     upstream: Upstream,
     *,
     timeouts: ForwardTimeouts = TIMEOUTS,
     pool_size: int = 256,
     handler_cancellation: bool = False,
 ) -> Router:
-    forwarder = Forwarder(timeouts, pool_size_per_upstream=pool_size)
-    stack.push_async_callback(forwarder.close)
+    forwarder = stack.forwarder(timeouts, pool_size)
     router = Router(upstream, forwarder)
     router.port = await serve(
         stack, worker_app(router.handle), handler_cancellation=handler_cancellation
@@ -125,7 +154,7 @@ async def start_router(
 
 
 @pytest.fixture
-async def client(stack: AsyncExitStack) -> aiohttp.ClientSession:
+async def client(stack: Rig) -> aiohttp.ClientSession:
     session = aiohttp.ClientSession(auto_decompress=False)
     stack.push_async_callback(session.close)
     return session
@@ -150,7 +179,7 @@ class RawWorker:
     def upstream(self) -> Upstream:
         return Upstream("w1", f"http://127.0.0.1:{self.port}")
 
-    async def start(self, stack: AsyncExitStack) -> None:
+    async def start(self, stack: Rig) -> None:
         server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         stack.push_async_callback(self._stop, server)
         self.port = server.sockets[0].getsockname()[1]
@@ -200,7 +229,7 @@ def reply_script(data: bytes, *, hold: bool = False) -> Callable[[RawWorker], Sc
     return bind
 
 
-async def raw_worker(stack: AsyncExitStack, make: Callable[[RawWorker], Script]) -> RawWorker:
+async def raw_worker(stack: Rig, make: Callable[[RawWorker], Script]) -> RawWorker:
     worker = RawWorker(make)
     await worker.start(stack)
     return worker
@@ -397,9 +426,9 @@ def test_timeouts_must_be_positive(field: str, bad: float) -> None:
         ForwardTimeouts(**values)
 
 
-def test_pool_size_must_be_positive() -> None:
+def test_pool_size_must_be_positive(forwarder_class: type[Forwarder]) -> None:
     with pytest.raises(ValueError, match="pool_size_per_upstream"):
-        Forwarder(TIMEOUTS, pool_size_per_upstream=0)
+        forwarder_class(TIMEOUTS, pool_size_per_upstream=0)
 
 
 def test_upstream_failure_carries_its_fields() -> None:
@@ -417,7 +446,7 @@ def test_upstream_failure_carries_its_fields() -> None:
 
 
 async def test_get_relays_status_reason_headers_and_body(
-    stack: AsyncExitStack, client: aiohttp.ClientSession
+    stack: Rig, client: aiohttp.ClientSession
 ) -> None:
     async def handler(request: web.Request) -> web.Response:
         return web.Response(
@@ -434,7 +463,7 @@ async def test_get_relays_status_reason_headers_and_body(
 
 
 async def test_post_with_content_length_reaches_the_worker_fixed_length(
-    stack: AsyncExitStack, client: aiohttp.ClientSession
+    stack: Rig, client: aiohttp.ClientSession
 ) -> None:
     router = await start_router(stack, await serve_worker(stack, worker_app(echo)))
     body = bytes(range(256)) * 1000
@@ -448,7 +477,7 @@ async def test_post_with_content_length_reaches_the_worker_fixed_length(
 
 
 async def test_chunked_post_reaches_the_worker_chunked(
-    stack: AsyncExitStack, client: aiohttp.ClientSession
+    stack: Rig, client: aiohttp.ClientSession
 ) -> None:
     router = await start_router(stack, await serve_worker(stack, worker_app(echo)))
     parts = [b"first part ", b"", b"second part"]
@@ -465,7 +494,7 @@ async def test_chunked_post_reaches_the_worker_chunked(
     assert seen["body_sha"] == hashlib.sha256(b"".join(parts)).hexdigest()
 
 
-async def test_request_head_as_the_worker_sees_it(stack: AsyncExitStack) -> None:
+async def test_request_head_as_the_worker_sees_it(stack: Rig) -> None:
     upstream = await serve_worker(stack, worker_app(echo))
     router = await start_router(stack, upstream)
     request = (
@@ -518,7 +547,7 @@ async def test_request_head_as_the_worker_sees_it(stack: AsyncExitStack) -> None
     ],
 )
 async def test_request_without_body_sends_none(
-    stack: AsyncExitStack, request_head: bytes, framing: str | None
+    stack: Rig, request_head: bytes, framing: str | None
 ) -> None:
     router = await start_router(stack, await serve_worker(stack, worker_app(echo)))
     _, _, body = split_reply(await raw_request(router.port, request_head))
@@ -528,7 +557,7 @@ async def test_request_without_body_sends_none(
     assert json.loads(body)["body_len"] == 0
 
 
-async def test_reply_head_as_the_client_sees_it(stack: AsyncExitStack) -> None:
+async def test_reply_head_as_the_client_sees_it(stack: Rig) -> None:
     worker = await raw_worker(
         stack,
         reply_script(
@@ -570,7 +599,7 @@ async def test_reply_head_as_the_client_sees_it(stack: AsyncExitStack) -> None:
 
 
 async def test_router_invents_no_server_or_content_type_but_dates_the_reply(
-    stack: AsyncExitStack,
+    stack: Rig,
 ) -> None:
     worker = await raw_worker(
         stack,
@@ -597,7 +626,7 @@ async def test_router_invents_no_server_or_content_type_but_dates_the_reply(
 
 
 async def test_location_naming_the_worker_is_rewritten_to_the_public_address(
-    stack: AsyncExitStack, client: aiohttp.ClientSession
+    stack: Rig, client: aiohttp.ClientSession
 ) -> None:
     async def handler(request: web.Request) -> web.Response:
         private = f"http://{request.host}"
@@ -619,7 +648,7 @@ async def test_location_naming_the_worker_is_rewritten_to_the_public_address(
 
 
 async def test_unix_socket_upstream(
-    stack: AsyncExitStack, client: aiohttp.ClientSession, tmp_path: Path
+    stack: Rig, client: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     path = tmp_path / "worker.sock"
     await serve(stack, worker_app(echo), unix_path=path)
@@ -635,7 +664,7 @@ async def test_unix_socket_upstream(
 
 
 async def test_large_request_body_streams_through(
-    stack: AsyncExitStack, client: aiohttp.ClientSession
+    stack: Rig, client: aiohttp.ClientSession
 ) -> None:
     size = 64 * MiB
     worker_got_bytes = asyncio.Event()
@@ -666,9 +695,7 @@ async def test_large_request_body_streams_through(
     assert seen == {"total": size, "length": size}
 
 
-async def test_large_reply_body_streams_through(
-    stack: AsyncExitStack, client: aiohttp.ClientSession
-) -> None:
+async def test_large_reply_body_streams_through(stack: Rig, client: aiohttp.ClientSession) -> None:
     size = 64 * MiB
     client_got_bytes = asyncio.Event()
 
@@ -711,7 +738,7 @@ def sse_app(events: list[tuple[float, bytes]], sent_at: list[float]) -> web.Appl
 
 
 async def test_sse_event_reaches_the_client_before_the_next_is_sent(
-    stack: AsyncExitStack, client: aiohttp.ClientSession
+    stack: Rig, client: aiohttp.ClientSession
 ) -> None:
     sent_at: list[float] = []
     events = [(0.0, b"data: one\n\n"), (0.5, b"data: two\n\n")]
@@ -727,7 +754,7 @@ async def test_sse_event_reaches_the_client_before_the_next_is_sent(
 
 
 async def test_stream_idle_bound_is_not_a_total_bound(
-    stack: AsyncExitStack, client: aiohttp.ClientSession
+    stack: Rig, client: aiohttp.ClientSession
 ) -> None:
     timeouts = ForwardTimeouts(connect_s=1.0, first_byte_s=1.0, stream_idle_s=0.3)
     events = [(0.1, b"data: %d\n\n" % i) for i in range(10)]  # 1 s in all, 0.1 s apart
@@ -739,7 +766,7 @@ async def test_stream_idle_bound_is_not_a_total_bound(
 
 
 async def test_stream_idle_timeout_aborts_the_client_and_releases_the_worker(
-    stack: AsyncExitStack, client: aiohttp.ClientSession
+    stack: Rig, client: aiohttp.ClientSession
 ) -> None:
     worker_cancelled = asyncio.Event()
 
@@ -767,7 +794,7 @@ async def test_stream_idle_timeout_aborts_the_client_and_releases_the_worker(
 
 
 async def test_truncated_reply_with_length_reaches_the_client_incomplete(
-    stack: AsyncExitStack,
+    stack: Rig,
 ) -> None:
     partial = b"p" * 40
     worker = await raw_worker(
@@ -783,7 +810,7 @@ async def test_truncated_reply_with_length_reaches_the_client_incomplete(
 
 
 async def test_truncated_chunked_reply_reaches_the_client_without_terminator(
-    stack: AsyncExitStack, client: aiohttp.ClientSession
+    stack: Rig, client: aiohttp.ClientSession
 ) -> None:
     worker = await raw_worker(
         stack,
@@ -799,7 +826,7 @@ async def test_truncated_chunked_reply_reaches_the_client_without_terminator(
             await resp.read()
 
 
-async def test_client_leaving_mid_stream_releases_the_worker(stack: AsyncExitStack) -> None:
+async def test_client_leaving_mid_stream_releases_the_worker(stack: Rig) -> None:
     worker_ended = asyncio.Event()
 
     async def endless(request: web.Request) -> web.StreamResponse:
@@ -827,7 +854,7 @@ async def test_client_leaving_mid_stream_releases_the_worker(stack: AsyncExitSta
 
 @pytest.mark.parametrize("handler_cancellation", [False, True])
 async def test_client_leaving_an_idle_stream_releases_the_worker(
-    stack: AsyncExitStack, handler_cancellation: bool
+    stack: Rig, handler_cancellation: bool
 ) -> None:
     worker_cancelled = asyncio.Event()
 
@@ -851,7 +878,7 @@ async def test_client_leaving_an_idle_stream_releases_the_worker(
     await asyncio.wait_for(worker_cancelled.wait(), 1.0)
 
 
-async def test_client_leaving_mid_upload_releases_the_worker(stack: AsyncExitStack) -> None:
+async def test_client_leaving_mid_upload_releases_the_worker(stack: Rig) -> None:
     worker_got_bytes = asyncio.Event()
     worker_failed = asyncio.Event()
 
@@ -877,7 +904,7 @@ async def test_client_leaving_mid_upload_releases_the_worker(stack: AsyncExitSta
     )
 
 
-async def test_head_204_and_304_replies_carry_no_body(stack: AsyncExitStack) -> None:
+async def test_head_204_and_304_replies_carry_no_body(stack: Rig) -> None:
     async def handler(request: web.Request) -> web.Response:
         if request.path == "/204":
             return web.Response(status=204)
@@ -907,7 +934,7 @@ async def test_head_204_and_304_replies_carry_no_body(stack: AsyncExitStack) -> 
     assert "Transfer-Encoding" not in not_modified
 
 
-async def test_304_keeps_the_workers_content_length(stack: AsyncExitStack) -> None:
+async def test_304_keeps_the_workers_content_length(stack: Rig) -> None:
     worker = await raw_worker(
         stack,
         reply_script(b'HTTP/1.1 304 Not Modified\r\nETag: "v1"\r\nContent-Length: 5\r\n\r\n'),
@@ -927,7 +954,7 @@ async def test_304_keeps_the_workers_content_length(stack: AsyncExitStack) -> No
 
 
 async def test_keep_alive_reuses_one_worker_connection_until_forgotten(
-    stack: AsyncExitStack, client: aiohttp.ClientSession
+    stack: Rig, client: aiohttp.ClientSession
 ) -> None:
     transports: list[object] = []
 
@@ -948,7 +975,7 @@ async def test_keep_alive_reuses_one_worker_connection_until_forgotten(
 
 
 async def test_a_worker_back_at_a_new_address_gets_a_new_pool(
-    stack: AsyncExitStack, client: aiohttp.ClientSession
+    stack: Rig, client: aiohttp.ClientSession
 ) -> None:
     async def first(request: web.Request) -> web.Response:
         return web.Response(text="first")
@@ -967,7 +994,7 @@ async def test_a_worker_back_at_a_new_address_gets_a_new_pool(
 # --- failures before the reply head --------------------------------------------------------
 
 
-async def test_connect_refused(stack: AsyncExitStack, client: aiohttp.ClientSession) -> None:
+async def test_connect_refused(stack: Rig, client: aiohttp.ClientSession) -> None:
     router = await start_router(stack, Upstream("w1", f"http://127.0.0.1:{closed_port()}"))
     async with client.post(f"{router.url}/", data=b"body") as resp:
         assert resp.status == 502
@@ -976,8 +1003,31 @@ async def test_connect_refused(stack: AsyncExitStack, client: aiohttp.ClientSess
     assert "refused" in failure.detail.lower()
 
 
+async def test_a_forward_tried_again_after_a_refused_connect_sends_the_body_again(
+    stack: Rig, client: aiohttp.ClientSession
+) -> None:
+    upstream = await serve_worker(stack, worker_app(echo))
+    refused = Upstream("w0", f"http://127.0.0.1:{closed_port()}")
+    forwarder = stack.forwarder()
+    failures: list[UpstreamFailure] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        # What the public handler does for a sessionless request: another worker.
+        try:
+            return await forwarder.forward(request, refused)
+        except UpstreamFailure as failure:
+            failures.append(failure)
+        return await forwarder.forward(request, upstream)
+
+    port = await serve(stack, worker_app(handle))
+    async with client.post(f"http://127.0.0.1:{port}/x", data=b"payload") as resp:
+        seen = await resp.json()
+    assert [(f.kind, f.request_sent) for f in failures] == [("refused", False)]
+    assert (seen["body_len"], seen["body_sha"]) == (7, hashlib.sha256(b"payload").hexdigest())
+
+
 async def test_missing_unix_socket_is_refused(
-    stack: AsyncExitStack, client: aiohttp.ClientSession, tmp_path: Path
+    stack: Rig, client: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     router = await start_router(stack, Upstream("w1", f"unix:{tmp_path / 'gone.sock'}"))
     async with client.get(f"{router.url}/") as resp:
@@ -988,7 +1038,7 @@ async def test_missing_unix_socket_is_refused(
 
 @pytest.mark.parametrize("url", ["ftp://127.0.0.1:1", "http://h:1/path", "unix:", "127.0.0.1:80"])
 async def test_unsupported_worker_address_is_an_error(
-    stack: AsyncExitStack, client: aiohttp.ClientSession, url: str
+    stack: Rig, client: aiohttp.ClientSession, url: str
 ) -> None:
     router = await start_router(stack, Upstream("w1", url))
     async with client.get(f"{router.url}/") as resp:
@@ -998,7 +1048,7 @@ async def test_unsupported_worker_address_is_an_error(
     assert "unsupported worker address" in failure.detail
 
 
-async def test_first_byte_timeout(stack: AsyncExitStack, client: aiohttp.ClientSession) -> None:
+async def test_first_byte_timeout(stack: Rig, client: aiohttp.ClientSession) -> None:
     worker = await raw_worker(stack, reply_script(b"", hold=True))
     timeouts = ForwardTimeouts(connect_s=1.0, first_byte_s=0.3, stream_idle_s=5.0)
     router = await start_router(stack, worker.upstream, timeouts=timeouts)
@@ -1012,7 +1062,7 @@ async def test_first_byte_timeout(stack: AsyncExitStack, client: aiohttp.ClientS
 
 
 async def test_stalled_upload_times_out_but_a_slow_steady_one_does_not(
-    stack: AsyncExitStack,
+    stack: Rig,
 ) -> None:
     timeouts = ForwardTimeouts(connect_s=1.0, first_byte_s=0.4, stream_idle_s=5.0)
     router = await start_router(
@@ -1035,7 +1085,7 @@ async def test_stalled_upload_times_out_but_a_slow_steady_one_does_not(
 
 
 async def test_waiting_for_a_pooled_connection_is_bounded_by_connect(
-    stack: AsyncExitStack, client: aiohttp.ClientSession
+    stack: Rig, client: aiohttp.ClientSession
 ) -> None:
     worker = await raw_worker(stack, reply_script(b"", hold=True))
     timeouts = ForwardTimeouts(connect_s=0.3, first_byte_s=5.0, stream_idle_s=5.0)
@@ -1076,7 +1126,7 @@ async def test_waiting_for_a_pooled_connection_is_bounded_by_connect(
     ],
 )
 async def test_bad_or_missing_reply_head_is_an_error(
-    stack: AsyncExitStack, client: aiohttp.ClientSession, reply: bytes, detail: str
+    stack: Rig, client: aiohttp.ClientSession, reply: bytes, detail: str
 ) -> None:
     worker = await raw_worker(stack, reply_script(reply))
     router = await start_router(stack, worker.upstream)
@@ -1088,9 +1138,7 @@ async def test_bad_or_missing_reply_head_is_an_error(
     assert worker.connections == 1
 
 
-async def test_forwards_after_close_fail_cleanly(
-    stack: AsyncExitStack, client: aiohttp.ClientSession
-) -> None:
+async def test_forwards_after_close_fail_cleanly(stack: Rig, client: aiohttp.ClientSession) -> None:
     router = await start_router(stack, await serve_worker(stack, worker_app(echo)))
     await router.forwarder.close()
     async with client.get(f"{router.url}/") as resp:
@@ -1119,10 +1167,9 @@ class Watcher:
 
 
 async def observed_router(
-    stack: AsyncExitStack, upstream: Upstream, watcher: Watcher, body: bytes | None = None
+    stack: Rig, upstream: Upstream, watcher: Watcher, body: bytes | None = None
 ) -> Router:
-    forwarder = Forwarder(TIMEOUTS)
-    stack.push_async_callback(forwarder.close)
+    forwarder = stack.forwarder()
     router = Router(upstream, forwarder)
 
     async def handle(request: web.Request) -> web.StreamResponse:
@@ -1133,7 +1180,7 @@ async def observed_router(
 
 
 async def test_the_observer_sees_the_head_and_a_small_body_before_the_client(
-    stack: AsyncExitStack, client: aiohttp.ClientSession
+    stack: Rig, client: aiohttp.ClientSession
 ) -> None:
     async def seed(request: web.Request) -> web.StreamResponse:
         reply = web.json_response({"mcp": {"headers": {"X-Token": "t1"}}})
@@ -1155,7 +1202,7 @@ async def test_the_observer_sees_the_head_and_a_small_body_before_the_client(
 
 @pytest.mark.parametrize("chunked", [False, True])
 async def test_a_body_over_what_the_observer_wants_is_streamed_unseen(
-    stack: AsyncExitStack, client: aiohttp.ClientSession, chunked: bool
+    stack: Rig, client: aiohttp.ClientSession, chunked: bool
 ) -> None:
     payload = os.urandom(200_000)
 
@@ -1178,7 +1225,7 @@ async def test_a_body_over_what_the_observer_wants_is_streamed_unseen(
 
 
 async def test_an_observer_that_wants_nothing_leaves_the_stream_alone(
-    stack: AsyncExitStack, client: aiohttp.ClientSession
+    stack: Rig, client: aiohttp.ClientSession
 ) -> None:
     async def small(request: web.Request) -> web.StreamResponse:
         return web.Response(text="hello")
@@ -1192,7 +1239,7 @@ async def test_an_observer_that_wants_nothing_leaves_the_stream_alone(
 
 
 async def test_a_body_read_ahead_by_the_caller_is_sent_as_it_is(
-    stack: AsyncExitStack, client: aiohttp.ClientSession
+    stack: Rig, client: aiohttp.ClientSession
 ) -> None:
     seen: list[tuple[bytes, str | None]] = []
 

@@ -1,0 +1,429 @@
+"""The lean forwarding path: requests relayed to workers over the router's own pools.
+
+This module owns one forward from end to end: the request to the worker (head and
+body in one write when the body is small and already here, else the head then the
+body streamed with backpressure), the wait for the reply head, one retry of an
+idempotent request whose pooled connection turns out stale, the observer's look at
+the reply, and the choice between relaying the reply whole or streaming it. It keeps
+the interface of `router.forward` (the same `Upstream`, `ForwardTimeouts`,
+`UpstreamFailure`, `ReplyObserver` and header rules) with aiohttp's client replaced
+by `router.relay_pool` (connections) and `router.relay_wire` (bytes, llhttp).
+
+It never decides where a request goes and never writes an answer of its own: a
+failure before the reply head reached the client is raised as `UpstreamFailure` for
+the public handler to translate, and a failure after it aborts the client connection,
+so the client sees an incomplete reply rather than a forged clean end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from router.forward import (
+    ForwardTimeouts,
+    ReplyObserver,
+    Upstream,
+    UpstreamFailure,
+    reply_headers_for_client,
+    request_headers_for_worker,
+    rewrite_location,
+)
+from router.relay_pool import TIMED_OUT, PoolClosed, WorkerConnection, WorkerPool
+from router.relay_reply import (
+    RelayedResponse,
+    abort_client,
+    finish_stream,
+    log,
+    send_cut,
+    send_whole,
+    stream_reply,
+)
+from router.relay_request import WHOLE_BODY_MAX, connect_failure, framed_body, request_target
+from router.relay_wire import (
+    CLOSED_BEFORE_REPLY,
+    IDEMPOTENT_METHODS,
+    parse_worker_address,
+    worker_request_head,
+)
+
+__all__ = [
+    "ForwardTimeouts",
+    "Forwarder",
+    "ReplyObserver",
+    "Upstream",
+    "UpstreamFailure",
+    "reply_headers_for_client",
+    "request_headers_for_worker",
+    "rewrite_location",
+]
+
+_NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+CLIENT_BROKE = "the client's request body broke off"
+
+
+class _Exchange:
+    """One request on its way to a worker: the connection it holds and its upload."""
+
+    __slots__ = (
+        "chunked",
+        "client_broke",
+        "conn",
+        "deadline",
+        "pool",
+        "request",
+        "too_large",
+        "upload",
+        "uploaded",
+    )
+
+    def __init__(self, request: web.BaseRequest, pool: WorkerPool) -> None:
+        self.request = request
+        self.pool = pool
+        self.conn: WorkerConnection | None = None
+        self.upload: asyncio.Task[None] | None = None  # the streamed request body
+        self.uploaded = True  # the whole request went out (False while it streams)
+        self.chunked = False  # a streamed body goes out in chunked framing
+        self.client_broke = False
+        self.too_large = False  # the streamed body went over max_body_bytes
+        self.deadline = 0.0  # for the reply head; pushed on by each uploaded chunk
+
+    def settle(self, clean: bool) -> None:
+        """Lets go of the worker connection: back to the pool after a complete exchange
+        (`clean`), else dropped. Idempotent."""
+        conn = self.conn
+        if conn is None:
+            return
+        self.conn = None
+        upload = self.upload
+        if upload is not None and not upload.done():
+            upload.cancel()
+        if clean and self.uploaded:
+            self.pool.release(conn)
+        else:
+            conn.abort()
+
+
+class Forwarder:
+    """Relays requests to workers over keep-alive pools, one pool per worker."""
+
+    def __init__(self, timeouts: ForwardTimeouts, *, pool_size_per_upstream: int = 256) -> None:
+        if pool_size_per_upstream < 1:
+            raise ValueError("pool_size_per_upstream must be at least 1")
+        self._pool_size = pool_size_per_upstream
+        self._pools: dict[str, WorkerPool] = {}
+        self._closed = False
+        # The loop, read once when the first pool opens: on Python 3.11 every
+        # asyncio.get_running_loop() is a getpid() system call, and the forward built on
+        # aiohttp's client made 12 of them per request (strace); this path makes none.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timeouts = timeouts
+        # The request body limit for bodies whose length is not announced (chunked): one
+        # with a Content-Length over it was refused before it got here.
+        self.max_body_bytes: int | None = None
+
+    def set_timeouts(self, timeouts: ForwardTimeouts) -> None:
+        """Bounds for the forwards that start from now on (a config reload)."""
+        self._timeouts = timeouts
+
+    async def forward(
+        self,
+        request: web.BaseRequest,
+        upstream: Upstream,
+        *,
+        extra_headers: Mapping[str, str] = _NO_HEADERS,
+        public_base: str | None = None,
+        body: bytes | None = None,
+        observer: ReplyObserver | None = None,
+    ) -> web.StreamResponse:
+        """Relays `request` to `upstream` and the reply back.
+
+        `body`: the request body when the caller already read it (to find a session in
+        it); it is sent as it is. `observer`: shown the reply head (and, if it asks, a
+        small body) before anything reaches the client, so a claim learned from a reply
+        is in the table before the client can send its next request.
+
+        Returns the (already prepared and finished) response for the handler to return.
+        Raises UpstreamFailure when the forward fails before the reply head was sent to the
+        client. After the head went out, a failure aborts the client connection, without a
+        clean terminator so the client sees the reply is incomplete, and the response is
+        returned all the same.
+        """
+        exchange = _Exchange(request, self._pool_for(upstream))
+        head, payload = await self._outgoing(exchange, extra_headers, body)
+        try:
+            await self._send(exchange, head, payload)
+            return await self._relay(exchange, public_base, observer)
+        finally:
+            exchange.settle(clean=False)  # a no-op once the relay settled it
+
+    def forget(self, worker_id: str) -> None:
+        """Closes and drops the pool of `worker_id` (its worker exited); a no-op if unknown.
+
+        Call it from the event loop: its connections close there.
+        """
+        pool = self._pools.pop(worker_id, None)
+        if pool is not None:
+            pool.close()
+
+    async def close(self) -> None:
+        """Closes every pool; later forwards fail with UpstreamFailure("error")."""
+        self._closed = True
+        pools = list(self._pools.values())
+        self._pools.clear()
+        for pool in pools:
+            pool.close()
+
+    # --- the request ----------------------------------------------------------------------
+
+    def _pool_for(self, upstream: Upstream) -> WorkerPool:
+        pool = self._pools.get(upstream.worker_id)
+        if pool is not None and pool.url == upstream.url:
+            return pool  # hot path: one dict lookup and one string compare
+        if self._closed:
+            raise UpstreamFailure("error", "the router is shutting down", request_sent=False)
+        if pool is not None:
+            pool.close()  # the worker came back at another address
+        try:
+            address = parse_worker_address(upstream.url)
+        except ValueError as exc:
+            detail = f"unsupported worker address {upstream.url!r}: {exc}"
+            raise UpstreamFailure("error", detail, request_sent=False) from exc
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        pool = WorkerPool(upstream.url, address, self._pool_size, self._loop)
+        self._pools[upstream.worker_id] = pool
+        return pool
+
+    async def _outgoing(
+        self, exchange: _Exchange, extra: Mapping[str, str], body: bytes | None
+    ) -> tuple[bytes, bytes | None]:
+        """The request head and, when it is all here, the framed body (None: it streams)."""
+        request = exchange.request
+        method = request.method
+        if method == "CONNECT":
+            raise UpstreamFailure("error", "CONNECT is not forwarded", request_sent=False)
+        payload, length, chunked = await framed_body(request, body)
+        limit = self.max_body_bytes
+        # read() returns the body framed_body already read and cached: no wait.
+        if (
+            chunked
+            and payload is not None
+            and limit is not None
+            and (len(await request.read()) > limit)
+        ):
+            raise UpstreamFailure(
+                "too_large", "the request body is over the limit", request_sent=False
+            )
+        if payload is None:
+            exchange.uploaded = False
+            exchange.chunked = chunked
+        try:
+            head = worker_request_head(
+                method,
+                request_target(request),
+                request.headers.items(),
+                worker_host=exchange.pool.address.host_header,
+                client_ip=request.remote,
+                scheme=request.scheme,
+                extra=extra,
+                content_length=length,
+                chunked=chunked,
+            )
+        except ValueError as exc:
+            raise UpstreamFailure(
+                "error", f"cannot send the request: {exc}", request_sent=False
+            ) from exc
+        return head, payload
+
+    async def _send(self, exchange: _Exchange, head: bytes, payload: bytes | None) -> None:
+        """Writes the request on a pooled or new connection; returns once the reply head
+        is in. Raises UpstreamFailure."""
+        loop = self._loop
+        assert loop is not None
+        timeouts = self._timeouts
+        pool = exchange.pool
+        try:
+            conn = await pool.acquire(loop.time() + timeouts.connect_s)
+        except (OSError, PoolClosed) as exc:
+            raise connect_failure(exc, timeouts, request_sent=False) from exc
+        exchange.conn = conn
+        if payload is None:
+            self._start_upload(exchange, conn, head)
+            failure = await self._reply_head(exchange, conn)
+        else:
+            message = head + payload  # one write: the worker reads it in one recv
+            failure = await self._request_once(exchange, conn, message)
+            if failure is not None and _stale(conn, exchange.request.method):
+                # The worker closed this kept-alive connection as the request went in:
+                # nothing came back, so a request that may be repeated goes once more,
+                # on a connection opened for it.
+                try:
+                    conn = await pool.reopen(conn, loop.time() + timeouts.connect_s)
+                except (OSError, PoolClosed) as exc:
+                    exchange.conn = None
+                    raise connect_failure(exc, timeouts, request_sent=True) from exc
+                exchange.conn = conn
+                failure = await self._request_once(exchange, conn, message)
+        if failure is not None:
+            raise failure
+
+    async def _request_once(
+        self, exchange: _Exchange, conn: WorkerConnection, message: bytes
+    ) -> UpstreamFailure | None:
+        conn.reply.begin(head_request=exchange.request.method == "HEAD")
+        conn.write(message)
+        return await self._reply_head(exchange, conn)
+
+    def _start_upload(self, exchange: _Exchange, conn: WorkerConnection, head: bytes) -> None:
+        """Writes the head, then streams the body from the client in a task of its own, so
+        a worker that answers before reading the whole body is heard at once."""
+        conn.reply.begin(head_request=exchange.request.method == "HEAD")
+        conn.write(head)
+        exchange.upload = asyncio.create_task(
+            self._upload(exchange, conn), name=f"forward-upload {exchange.pool.url}"
+        )
+
+    async def _upload(self, exchange: _Exchange, conn: WorkerConnection) -> None:
+        content = exchange.request.content
+        chunked = exchange.chunked
+        loop = self._loop
+        assert loop is not None
+        first_byte_s = self._timeouts.first_byte_s
+        limit = self.max_body_bytes
+        sent = 0
+        while True:
+            try:
+                # readany hands over what the socket delivered, without joining chunks.
+                chunk = await content.readany()
+            except Exception:
+                exchange.client_broke = True
+                conn.interrupt()
+                return
+            if conn.closed:
+                return  # the worker's side ended; the reply says how
+            if not chunk:
+                break
+            sent += len(chunk)
+            if limit is not None and sent > limit:
+                # Over the limit: the worker's connection is dropped mid-body (it sees a
+                # cut chunked message, never a complete one) and the client gets 413.
+                exchange.too_large = True
+                conn.interrupt()
+                return
+            conn.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
+            # Upload progress pushes the reply-head deadline on: first_byte_s bounds a
+            # stall in the upload, and after its last chunk the wait for the reply head.
+            exchange.deadline = loop.time() + first_byte_s
+            await conn.drain()
+        if chunked:
+            conn.write(b"0\r\n\r\n")
+        exchange.uploaded = True
+        exchange.deadline = loop.time() + first_byte_s
+
+    async def _reply_head(
+        self, exchange: _Exchange, conn: WorkerConnection
+    ) -> UpstreamFailure | None:
+        """Waits for the reply head; None once it is in, else the failure."""
+        reply = conn.reply
+        first_byte_s = self._timeouts.first_byte_s
+        loop = self._loop
+        assert loop is not None
+        exchange.deadline = loop.time() + first_byte_s
+        while not reply.head_done:
+            if exchange.too_large:
+                return UpstreamFailure("too_large", "the request body is over the limit")
+            if exchange.client_broke:
+                return UpstreamFailure("error", CLIENT_BROKE)
+            if reply.broken is not None:
+                return UpstreamFailure("error", reply.broken)
+            deadline = exchange.deadline
+            if await conn.wait(deadline) == TIMED_OUT and exchange.deadline == deadline:
+                return UpstreamFailure("timeout", f"no reply within {first_byte_s:g} s")
+        return None
+
+    # --- the reply --------------------------------------------------------------------------
+
+    async def _relay(
+        self, exchange: _Exchange, public_base: str | None, observer: ReplyObserver | None
+    ) -> web.StreamResponse:
+        conn = exchange.conn
+        assert conn is not None
+        reply = conn.reply
+        if observer is not None:
+            await self._observe(conn, observer)
+        headers = reply_headers_for_client(
+            reply.headers,
+            private_origin=exchange.pool.address.private_origin,
+            public_base=public_base,
+        )
+        response = RelayedResponse(status=reply.status, reason=reply.reason, headers=headers)
+        request = exchange.request
+        idle_s = self._timeouts.stream_idle_s
+        length = reply.content_length
+        if reply.complete or (length is not None and length <= WHOLE_BODY_MAX):
+            why = await self._whole_reply(conn)
+            body = conn.take_body()
+            if why is None:
+                exchange.settle(clean=True)  # before the client write: the reply is all in
+                await send_whole(request, response, body)
+            else:
+                exchange.settle(clean=False)
+                await send_cut(request, response, body, why, idle_s)
+            return response
+        why = await stream_reply(request, response, conn, idle_s)
+        if why is None:
+            exchange.settle(clean=True)
+            await finish_stream(response)
+        else:
+            exchange.settle(clean=False)
+            log.info("reply to %s %s aborted: %s", request.method, request.path, why)
+            abort_client(request, idle_s)
+        return response
+
+    async def _whole_reply(self, conn: WorkerConnection) -> str | None:
+        """Reads a reply known to be small to its end; None then, else why it stopped."""
+        reply = conn.reply
+        idle_s = self._timeouts.stream_idle_s
+        loop = self._loop
+        assert loop is not None
+        while not reply.complete:
+            if reply.broken is not None:
+                return f"the worker's reply broke off ({reply.broken})"
+            if await conn.wait(loop.time() + idle_s) == TIMED_OUT:
+                return f"no reply data for {idle_s:g} s"
+        return None
+
+    async def _observe(self, conn: WorkerConnection, observer: ReplyObserver) -> None:
+        """Shows the head to `observer`, then the body if it is small and it asks; the
+        bytes read for it stay in the reply, to be relayed first."""
+        reply = conn.reply
+        headers = CIMultiDict(reply.headers)
+        wanted = observer.head(reply.status, headers, headers.getall("Set-Cookie", []))
+        length = reply.content_length
+        if wanted <= 0 or (length is not None and length > wanted):
+            return
+        loop = self._loop
+        assert loop is not None
+        deadline = loop.time() + self._timeouts.stream_idle_s
+        while not reply.complete and reply.broken is None and reply.buffered <= wanted:
+            if await conn.wait(deadline) == TIMED_OUT:
+                return  # what was read is relayed; the relay meets the same stall
+        if reply.complete and reply.buffered <= wanted:
+            observer.body(reply.peek_body())
+
+
+def _stale(conn: WorkerConnection, method: str) -> bool:
+    """True when a request failed on a reused connection the worker had closed before
+    any reply byte, and may be sent again (idempotent, its body was not streamed)."""
+    reply = conn.reply
+    return (
+        conn.reused
+        and reply.broken == CLOSED_BEFORE_REPLY
+        and reply.received == 0
+        and method in IDEMPOTENT_METHODS
+    )

@@ -1,0 +1,380 @@
+"""The bytes of a relayed exchange: worker addresses, the request head, the reply parser.
+
+This module owns the wire format on the worker side of the router: where a worker's
+address says to connect and what `Host` the worker sees, the request head serialized
+in one piece, and a worker's reply read with llhttp (httptools, the parser uvicorn
+uses): status, reason, headers in order with repeats, body chunks, the message end and
+whether the connection may carry another exchange. It is fed bytes and answers with
+state; it never does I/O, never touches an event loop, never raises on a peer's bytes
+(a malformed reply becomes a `broken` reason) and knows nothing of aiohttp's server.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
+from yarl import URL
+
+# The header rules have one home, router.forward, until the aiohttp-client forwarder is
+# retired; they then move here. The equivalence is pinned by tests/test_relay_wire.py.
+from router.forward import _connection_named, _keeps_request_header
+
+__all__ = [
+    "IDEMPOTENT_METHODS",
+    "MAX_REPLY_FIELD",
+    "MAX_REPLY_HEAD",
+    "ReplyParser",
+    "WorkerAddress",
+    "parse_worker_address",
+    "serialize_request_head",
+    "worker_request_head",
+]
+
+# Methods a stale pooled connection may be retried for (RFC 9110 §9.2.2): a second copy
+# of the request changes nothing the first did not. POST and PATCH are never retried.
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+# A reply header line from a worker may be this long: workers are our own processes and a
+# large Set-Cookie or MCP header must pass, but a runaway one still fails the reply.
+MAX_REPLY_FIELD = 64 * 1024
+# The whole reply head (every line, interim 1xx heads included) is bounded too, so a
+# worker streaming headers forever cannot grow the router's memory.
+MAX_REPLY_HEAD = 256 * 1024
+
+_NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+_NONE_NAMED: frozenset[str] = frozenset()
+CLOSED_BEFORE_REPLY = "it closed the connection before replying"
+SWITCHED = "it switched protocols, which is not forwarded"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerAddress:
+    """Where a worker listens and how it is named on the wire.
+
+    host_header: the `Host` the worker receives (`127.0.0.1:9002`, `localhost` for Unix).
+    private_origin: `http://<host_header>`, what a Location naming the worker starts with.
+    tcp_host, tcp_port: the TCP address, when it is one (`tcp_host` is None for Unix).
+    tcp_literal: True when `tcp_host` is an IP address (no name lookup needed).
+    unix_path: the Unix socket path, when it is one.
+    """
+
+    host_header: str
+    private_origin: str
+    tcp_host: str | None = None
+    tcp_port: int = 0
+    tcp_literal: bool = False
+    unix_path: str | None = None
+
+
+def parse_worker_address(url: str) -> WorkerAddress:
+    """The address in `http://host[:port]` or `unix:/path`; raises ValueError saying why
+    any other form is unsupported."""
+    if url.startswith("unix:"):
+        path = url[len("unix:") :]
+        if not path:
+            raise ValueError("a unix: address needs a socket path")
+        return WorkerAddress("localhost", "http://localhost", unix_path=path)
+    if not url.startswith("http://"):
+        raise ValueError("only http://host:port and unix:/path addresses are supported")
+    parsed = URL(url)
+    host = parsed.raw_host
+    if not host or parsed.raw_path not in ("", "/") or parsed.raw_query_string:
+        raise ValueError("an http address is http://host:port with no path or query")
+    if parsed.raw_user is not None or parsed.raw_fragment:
+        raise ValueError("an http address carries no user or fragment")
+    authority = parsed.raw_authority
+    return WorkerAddress(
+        authority,
+        f"http://{authority}",
+        tcp_host=host,
+        tcp_port=parsed.port or 80,
+        tcp_literal=_is_ip_literal(host),
+    )
+
+
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def worker_request_head(
+    method: str,
+    target: str,
+    client_headers: Iterable[tuple[str, str]],
+    *,
+    worker_host: str,
+    client_ip: str | None,
+    scheme: str,
+    extra: Mapping[str, str] = _NO_HEADERS,
+    content_length: int | None = None,
+    chunked: bool = False,
+) -> bytes:
+    """The request head a worker receives, as bytes: `method target HTTP/1.1`, the header
+    section of `router.forward.request_headers_for_worker` (same rules, same order), and
+    the body's framing: `content_length` replaces the client's Content-Length where it
+    stood (or is added last), `chunked` adds `Transfer-Encoding: chunked` last.
+
+    Built in one pass straight into lines: 4.4 µs for a typical tool call against 9.0 µs
+    for the header multidict then its serialization. Header text is encoded back to the
+    bytes the client sent (aiohttp decodes them as UTF-8 with surrogate escapes). Raises
+    ValueError when any part carries a CR or LF, which would let one header smuggle in
+    another (aiohttp's parser refuses them from clients; this guards `extra` too).
+    """
+    items = client_headers if isinstance(client_headers, list) else list(client_headers)
+    lowered = [name.lower() for name, _ in items]
+    named = _connection_named(items) if "connection" in lowered else _NONE_NAMED
+    # Transfer-Encoding wins over Content-Length (RFC 9112 §6.3): the client's length goes.
+    drop_length = "transfer-encoding" in lowered
+    length_line = None if content_length is None else f"Content-Length: {content_length}"
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {worker_host}"]
+    original_host: str | None = None
+    for (name, value), lower in zip(items, lowered, strict=True):
+        if lower == "host":
+            if original_host is None:
+                original_host = value
+            continue
+        if not _keeps_request_header(lower, named):
+            continue
+        if lower == "content-length":
+            if drop_length:
+                continue
+            if length_line is not None:
+                lines.append(length_line)  # in the client's place; any repeat goes
+                length_line = None
+                drop_length = True
+                continue
+        lines.append(f"{name}: {value}")
+    if original_host is not None:
+        lines.append(f"X-Forwarded-Host: {original_host}")
+    if client_ip:
+        lines.append(f"X-Forwarded-For: {client_ip}")
+    lines.append(f"X-Forwarded-Proto: {scheme}")
+    lines.extend([f"{name}: {value}" for name, value in extra.items()])
+    if length_line is not None:
+        lines.append(length_line)
+    if chunked:
+        lines.append("Transfer-Encoding: chunked")
+    return _encode_head(lines)
+
+
+def serialize_request_head(method: str, target: str, headers: Iterable[tuple[str, str]]) -> bytes:
+    """`method target HTTP/1.1`, then `headers` as they are, as bytes; raises ValueError
+    when any part carries a CR or LF."""
+    lines = [f"{method} {target} HTTP/1.1"]
+    lines.extend([f"{name}: {value}" for name, value in headers])
+    return _encode_head(lines)
+
+
+def _encode_head(lines: list[str]) -> bytes:
+    text = "\r\n".join(lines) + "\r\n\r\n"
+    # One count each in C instead of a check per header: every CR and LF must be ours.
+    breaks = len(lines) + 1
+    if text.count("\n") != breaks or text.count("\r") != breaks:
+        raise ValueError("a header name or value carries a line break")
+    return text.encode("utf-8", "surrogateescape")
+
+
+def _until_close(content_length: int | None, transfer_encoding: str | None) -> bool:
+    """RFC 9112 §6.3: a reply with neither a length nor chunked framing ends at close."""
+    if transfer_encoding is not None:
+        return transfer_encoding.rsplit(",", 1)[-1].strip().lower() != "chunked"
+    return content_length is None
+
+
+class ReplyParser:
+    """The replies on one worker connection, one exchange at a time.
+
+    Call `begin()` before each request, then `feed()` the bytes as they arrive and
+    `feed_eof()` when the worker closes. State, read after each call:
+    - `head_done`: the final (non-1xx) reply head is in: `status`, `reason`, `headers`
+      (name, value pairs, in order, repeats kept), `content_length`;
+    - `chunks`/`buffered`: body bytes not yet taken (`take_body()`);
+    - `complete`: the reply ended; `reusable`: the connection may carry another exchange;
+    - `broken`: why the reply cannot be relayed (before the head) or finished (after it).
+
+    The `on_*` methods are llhttp's callbacks; nothing else should call them.
+    """
+
+    __slots__ = (
+        "_head_request",
+        "_interim",
+        "_parser",
+        "_parser_spent",
+        "_reason",
+        "_transfer_encoding",
+        "broken",
+        "buffered",
+        "chunks",
+        "complete",
+        "content_length",
+        "has_connection",
+        "head_bytes",
+        "head_done",
+        "headers",
+        "reason",
+        "received",
+        "reusable",
+        "status",
+    )
+
+    def __init__(self) -> None:
+        self._parser = HttpResponseParser(self)
+        self._parser_spent = False
+        self.begin(head_request=False)
+
+    def begin(self, *, head_request: bool) -> None:
+        """Readies the parser for the reply to the next request (`head_request`: a HEAD,
+        whose reply has no body whatever its headers say)."""
+        if self._parser_spent:
+            # llhttp cannot be told a reply answers HEAD: after one, it may be waiting
+            # for body bytes that never come, so the next reply gets a fresh parser.
+            self._parser = HttpResponseParser(self)
+            self._parser_spent = False
+        self._head_request = head_request
+        self._interim = False
+        self._transfer_encoding: str | None = None
+        self.broken: str | None = None
+        self.buffered = 0
+        self.chunks: list[bytes] = []
+        self.complete = False
+        self.content_length: int | None = None
+        self.has_connection = False  # a Connection header names hop-by-hop fields
+        self.head_bytes = 0
+        self.head_done = False
+        self.headers: list[tuple[str, str]] = []
+        self.reason = ""
+        self._reason = b""
+        self.received = 0
+        self.reusable = False
+        self.status = 0
+
+    @property
+    def until_close(self) -> bool:
+        """True when the reply's body ends only when the worker closes the connection."""
+        return _until_close(self.content_length, self._transfer_encoding)
+
+    def feed(self, data: bytes) -> None:
+        """Parses `data`; never raises (a malformed reply sets `broken`)."""
+        self.received += len(data)
+        if not self.head_done:
+            self.head_bytes += len(data)
+        if self.complete:
+            self.reusable = False  # bytes after the reply: nothing may follow on this link
+            return
+        try:
+            self._parser.feed_data(data)
+        except HttpParserUpgrade:
+            self._fail(SWITCHED)
+        except HttpParserError as exc:
+            self._fail(self.broken or f"invalid reply: {exc}")
+        if not self.head_done and self.head_bytes > MAX_REPLY_HEAD and self.broken is None:
+            self._fail(f"invalid reply: a reply head over {MAX_REPLY_HEAD // 1024} KiB")
+
+    def feed_eof(self) -> None:
+        """The worker closed the connection: ends an until-close body, else breaks the
+        reply if it was not complete."""
+        self.reusable = False
+        if self.complete or self.broken is not None:
+            return
+        if not self.head_done:
+            self.broken = CLOSED_BEFORE_REPLY
+        elif self.until_close:
+            self.complete = True
+        else:
+            self.broken = "it closed the connection in the middle of its reply"
+
+    def take_body(self) -> bytes:
+        """The body bytes parsed and not yet taken, as one bytes object."""
+        chunks = self.chunks
+        if not chunks:
+            return b""
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self.chunks = []
+        self.buffered = 0
+        return data
+
+    def peek_body(self) -> bytes:
+        """The body bytes parsed and not yet taken, left in place (joined into one)."""
+        chunks = self.chunks
+        if len(chunks) > 1:
+            self.chunks = chunks = [b"".join(chunks)]
+        return chunks[0] if chunks else b""
+
+    def _fail(self, reason: str) -> None:
+        if self.complete:
+            self.reusable = False  # garbage after a whole reply spoils only the connection
+        else:
+            self.broken = reason
+            self.reusable = False
+
+    # --- llhttp callbacks -------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.complete:
+            self.reusable = False  # a reply nobody asked for: the link is out of step
+
+    def on_status(self, reason: bytes) -> None:
+        self._reason += reason  # may come in pieces: decoded once the head is in
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.head_done:
+            return  # a chunked body's trailer fields: dropped, as aiohttp's client does
+        if len(name) + len(value) > MAX_REPLY_FIELD:
+            self.broken = f"invalid reply: a header line over {MAX_REPLY_FIELD // 1024} KiB"
+            raise ValueError(self.broken)
+        text = value.decode("utf-8", "surrogateescape")
+        size = len(name)
+        # Only three names matter here; their lengths rule most names out without lower().
+        if size == 14 and name.lower() == b"content-length":
+            self.content_length = int(value)  # llhttp has checked it is one decimal number
+        elif size == 17 and name.lower() == b"transfer-encoding":
+            self._transfer_encoding = text
+        elif size == 10 and name.lower() == b"connection":
+            self.has_connection = True
+        self.headers.append((name.decode("latin-1"), text))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status == 101:
+            self.broken = SWITCHED
+            raise ValueError(SWITCHED)
+        if status < 200:
+            # An interim reply (100 Continue, 103 Early Hints) is never relayed: the
+            # router already answered Expect itself, and the final head follows.
+            self._interim = True
+            self.headers = []
+            self._reason = b""
+            self.content_length = None
+            self._transfer_encoding = None
+            self.has_connection = False
+            return
+        self.status = status
+        self.reason = self._reason.decode("utf-8", "surrogateescape")  # as header values
+        self.head_done = True
+        if self._head_request:
+            # A HEAD reply has no body whatever its framing says: it ends with its head.
+            self._parser_spent = True
+            self.complete = True
+            self.reusable = self._parser.should_keep_alive()
+
+    def on_body(self, body: bytes) -> None:
+        if self.complete:
+            self.reusable = False  # body bytes after a HEAD reply: the link is out of step
+            return
+        self.chunks.append(body)
+        self.buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        if self._head_request:
+            return  # ended at its head already
+        self.complete = True
+        self.reusable = self._parser.should_keep_alive()

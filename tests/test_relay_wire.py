@@ -1,0 +1,450 @@
+"""The relay's wire format, with no event loop: worker addresses, the request head, and
+the reply parser fed scripted bytes (whole, and split at every byte)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.configuration import set_hypothesis_home_dir
+
+from router.forward import request_headers_for_worker
+from router.relay_wire import (
+    CLOSED_BEFORE_REPLY,
+    MAX_REPLY_FIELD,
+    MAX_REPLY_HEAD,
+    SWITCHED,
+    ReplyParser,
+    WorkerAddress,
+    parse_worker_address,
+    serialize_request_head,
+    worker_request_head,
+)
+
+set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "episode-router-hypothesis")
+FEW = settings(
+    max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
+BOOT = {"X-Episode-Router-Boot": "b1"}
+
+# --- worker addresses -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "address"),
+    [
+        (
+            "http://127.0.0.1:9002",
+            WorkerAddress(
+                "127.0.0.1:9002", "http://127.0.0.1:9002", "127.0.0.1", 9002, tcp_literal=True
+            ),
+        ),
+        (
+            "http://[::1]:9002/",
+            WorkerAddress("[::1]:9002", "http://[::1]:9002", "::1", 9002, tcp_literal=True),
+        ),
+        ("http://localhost", WorkerAddress("localhost", "http://localhost", "localhost", 80)),
+        (
+            "unix:/run/w.sock",
+            WorkerAddress("localhost", "http://localhost", unix_path="/run/w.sock"),
+        ),
+    ],
+)
+def test_worker_addresses(url: str, address: WorkerAddress) -> None:
+    assert parse_worker_address(url) == address
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("ftp://127.0.0.1:1", "only http://host:port and unix:/path"),
+        ("127.0.0.1:80", "only http://host:port and unix:/path"),
+        ("http://h:1/path", "no path or query"),
+        ("http://h:1?q", "no path or query"),
+        ("http://u@h:1", "no user or fragment"),
+        ("http://h:1#f", "no user or fragment"),
+        ("unix:", "needs a socket path"),
+    ],
+)
+def test_unsupported_worker_addresses_say_why(url: str, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        parse_worker_address(url)
+
+
+# --- the request head -----------------------------------------------------------------------
+
+
+def reference_head(
+    method: str,
+    headers: list[tuple[str, str]],
+    content_length: int | None = None,
+    chunked: bool = False,
+) -> bytes:
+    """What the relay must send: router.forward's header rules, then the body's framing
+    set on the result, serialized."""
+    out = request_headers_for_worker(
+        headers, worker_host="10.0.0.1:9", client_ip="10.0.0.7", scheme="http", extra=BOOT
+    )
+    if content_length is not None:
+        out["Content-Length"] = str(content_length)
+    if chunked:
+        out["Transfer-Encoding"] = "chunked"
+    return serialize_request_head(method, "/t?q=1", out.items())
+
+
+def relay_head(
+    method: str,
+    headers: list[tuple[str, str]],
+    content_length: int | None = None,
+    chunked: bool = False,
+) -> bytes:
+    return worker_request_head(
+        method,
+        "/t?q=1",
+        headers,
+        worker_host="10.0.0.1:9",
+        client_ip="10.0.0.7",
+        scheme="http",
+        extra=BOOT,
+        content_length=content_length,
+        chunked=chunked,
+    )
+
+
+def test_request_head_bytes() -> None:
+    head = relay_head(
+        "POST",
+        [
+            ("Host", "public:8080"),
+            ("Connection", "keep-alive, X-Named"),
+            ("X-Named", "1"),
+            ("X-Forwarded-For", "6.6.6.6"),
+            ("Content_Length", "9"),
+            ("X-Token", "t \udcff"),  # a raw 0xff byte, as aiohttp decodes it
+            ("content-length", "3"),
+            ("Expect", "100-continue"),
+        ],
+        content_length=3,
+    )
+    assert head == (
+        b"POST /t?q=1 HTTP/1.1\r\n"
+        b"Host: 10.0.0.1:9\r\n"
+        b"X-Token: t \xff\r\n"
+        b"Content-Length: 3\r\n"
+        b"X-Forwarded-Host: public:8080\r\n"
+        b"X-Forwarded-For: 10.0.0.7\r\n"
+        b"X-Forwarded-Proto: http\r\n"
+        b"X-Episode-Router-Boot: b1\r\n"
+        b"\r\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("headers", "content_length", "chunked"),
+    [
+        ([("Content-Length", "5"), ("X-A", "1")], 5, False),  # replaced where it stood
+        ([("Transfer-Encoding", "chunked"), ("Content-Length", "5")], None, True),
+        ([("Transfer-Encoding", "chunked"), ("Content-Length", "5")], 7, False),  # added last
+        ([("Connection", "content-length"), ("Content-Length", "5")], 5, False),
+        ([("Content-Length", "5"), ("Content-Length", "5")], 5, False),  # one copy stays
+        ([("Content-Length", "5"), ("Content-Length", "5")], None, False),  # both stay
+        ([], None, False),
+    ],
+)
+def test_request_head_framing_matches_the_header_rules(
+    headers: list[tuple[str, str]], content_length: int | None, chunked: bool
+) -> None:
+    assert relay_head("PUT", headers, content_length, chunked) == reference_head(
+        "PUT", headers, content_length, chunked
+    )
+
+
+NAMES = st.sampled_from(
+    [
+        "Host",
+        "Connection",
+        "connection",
+        "Keep-Alive",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Proxy-Authorization",
+        "Proxy-X",
+        "Content-Length",
+        "content-length",
+        "Content_Length",
+        "X-Forwarded-For",
+        "Forwarded",
+        "X-Real-IP",
+        "Expect",
+        "X-Episode-Router-Boot",
+        "X-Named",
+        "Accept",
+        "X-Rep",
+    ]
+)
+VALUES = st.sampled_from(
+    ["1", "keep-alive", "x-named, accept", "Content-Length", "close, te", "chunked", ""]
+)
+
+
+@FEW
+@given(
+    headers=st.lists(st.tuples(NAMES, VALUES), max_size=10),
+    content_length=st.none() | st.integers(0, 10**9),
+    chunked=st.booleans(),
+)
+def test_request_head_is_the_header_rules_serialized(
+    headers: list[tuple[str, str]], content_length: int | None, chunked: bool
+) -> None:
+    assert relay_head("GET", headers, content_length, chunked) == reference_head(
+        "GET", headers, content_length, chunked
+    )
+
+
+@pytest.mark.parametrize(
+    ("headers", "extra"),
+    [
+        ([("X-A", "1\r\nX-Smuggled: 1")], BOOT),
+        ([("X-A", "1\nX")], BOOT),
+        ([("X-A", "1\rX")], BOOT),
+        ([], {"X-Episode-Router-Boot": "b\r\nX: 1"}),
+    ],
+)
+def test_a_line_break_in_a_header_is_refused(
+    headers: list[tuple[str, str]], extra: dict[str, str]
+) -> None:
+    with pytest.raises(ValueError, match="line break"):
+        worker_request_head(
+            "GET", "/", headers, worker_host="h", client_ip=None, scheme="http", extra=extra
+        )
+
+
+# --- the reply parser -----------------------------------------------------------------------
+
+
+def parse(data: bytes, *, head_request: bool = False, split: bool = False) -> ReplyParser:
+    """A parser fed `data` whole, or one byte at a time."""
+    reply = ReplyParser()
+    reply.begin(head_request=head_request)
+    for piece in [data[i : i + 1] for i in range(len(data))] if split else [data]:
+        reply.feed(piece)
+    return reply
+
+
+def state(reply: ReplyParser) -> tuple[object, ...]:
+    return (
+        reply.status,
+        reply.reason,
+        reply.headers,
+        reply.peek_body(),
+        reply.head_done,
+        reply.complete,
+        reply.reusable,
+        reply.broken,
+    )
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_reply_with_a_length(split: bool) -> None:
+    reply = parse(
+        b"HTTP/1.1 201 Made It\r\nSet-Cookie: a=1\r\nSet-Cookie: b=2\r\nX: \xc3\xa9\xff\r\n"
+        b"Content-Length: 5\r\n\r\nhello",
+        split=split,
+    )
+    assert state(reply) == (
+        201,
+        "Made It",
+        [("Set-Cookie", "a=1"), ("Set-Cookie", "b=2"), ("X", "é\udcff"), ("Content-Length", "5")],
+        b"hello",
+        True,
+        True,
+        True,
+        None,
+    )
+    assert reply.content_length == 5 and not reply.until_close
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_chunked_reply_drops_its_trailers(split: bool) -> None:
+    reply = parse(
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"2\r\nok\r\n3\r\n!!!\r\n0\r\nX-Trailer: 1\r\n\r\n",
+        split=split,
+    )
+    assert state(reply) == (
+        200,
+        "OK",
+        [("Transfer-Encoding", "chunked")],
+        b"ok!!!",
+        True,
+        True,
+        True,
+        None,
+    )
+    assert reply.content_length is None and not reply.until_close
+
+
+def test_the_body_is_taken_in_pieces_as_it_arrives() -> None:
+    reply = parse(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nabc")
+    assert (reply.head_done, reply.complete, reply.buffered) == (True, False, 3)
+    assert reply.take_body() == b"abc"
+    assert (reply.buffered, reply.take_body()) == (0, b"")
+    reply.feed(b"def")
+    assert (reply.take_body(), reply.complete, reply.reusable) == (b"def", True, True)
+
+
+def test_interim_replies_are_skipped() -> None:
+    reply = parse(
+        b"HTTP/1.1 100 Continue\r\n\r\n"
+        b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    )
+    assert state(reply) == (200, "OK", [("Content-Length", "2")], b"ok", True, True, True, None)
+
+
+def test_an_interim_reply_alone_is_no_head() -> None:
+    reply = parse(b"HTTP/1.1 100 Continue\r\n\r\n")
+    assert (reply.head_done, reply.broken) == (False, None)
+    reply.feed_eof()
+    assert (reply.head_done, reply.broken) == (False, CLOSED_BEFORE_REPLY)
+
+
+@pytest.mark.parametrize(
+    ("data", "broken"),
+    [
+        (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n", SWITCHED),
+        (b"HTTP/1.1 abc nope\r\n\r\n", "invalid reply: Invalid status code"),
+        (b"NOT HTTP AT ALL\r\n\r\n", "invalid reply: Expected HTTP/"),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "invalid reply: Transfer-Encoding can't be present with Content-Length",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+            "invalid reply: Duplicate Content-Length",
+        ),
+        (b"HTTP/1.1 200 OK\r\nX: a\r\n b\r\n\r\n", "invalid reply: Unexpected whitespace"),
+        (
+            b"HTTP/1.1 200 OK\r\nX: " + b"v" * MAX_REPLY_FIELD + b"\r\n\r\n",
+            "invalid reply: a header line over 64 KiB",
+        ),
+    ],
+)
+def test_an_invalid_reply_head_breaks_the_reply(data: bytes, broken: str) -> None:
+    reply = parse(data)
+    assert reply.broken is not None and reply.broken.startswith(broken)
+    assert (reply.head_done, reply.complete, reply.reusable) == (False, False, False)
+
+
+def test_a_reply_head_is_bounded_in_all() -> None:
+    reply = parse(b"HTTP/1.1 200 OK\r\n" + b"X: 1234567890\r\n" * (MAX_REPLY_HEAD // 15 + 1))
+    assert reply.broken == "invalid reply: a reply head over 256 KiB"
+    assert not reply.head_done
+
+
+def test_a_body_ended_by_close() -> None:
+    reply = parse(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nabc")
+    assert (reply.until_close, reply.complete) == (True, False)
+    reply.feed_eof()
+    assert (reply.peek_body(), reply.complete, reply.reusable, reply.broken) == (
+        b"abc",
+        True,
+        False,
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "broken"),
+    [
+        (b"", CLOSED_BEFORE_REPLY),
+        (b"HTTP/1.1 200 OK\r\nContent-Le", CLOSED_BEFORE_REPLY),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nabc",
+            "it closed the connection in the middle of its reply",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n",
+            "it closed the connection in the middle of its reply",
+        ),
+    ],
+)
+def test_a_close_before_the_end_breaks_the_reply(data: bytes, broken: str) -> None:
+    reply = parse(data)
+    reply.feed_eof()
+    assert (reply.complete, reply.reusable, reply.broken) == (False, False, broken)
+    assert reply.received == len(data)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok",
+        b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\n",  # unasked reply
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokgarbage",
+    ],
+)
+def test_a_whole_reply_on_a_connection_that_cannot_go_on(data: bytes) -> None:
+    reply = parse(data)
+    assert (reply.peek_body(), reply.complete, reply.reusable, reply.broken) == (
+        b"ok",
+        True,
+        False,
+        None,
+    )
+
+
+def test_bytes_after_a_complete_reply_spoil_only_the_connection() -> None:
+    reply = parse(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    assert reply.reusable
+    reply.feed(b"late")
+    assert (reply.complete, reply.reusable, reply.broken) == (True, False, None)
+
+
+@pytest.mark.parametrize("status", [204, 304])
+def test_no_body_replies_end_with_their_head(status: int) -> None:
+    reply = parse(b"HTTP/1.1 %d X\r\nContent-Length: 5\r\n\r\n" % status)
+    assert (reply.status, reply.complete, reply.reusable) == (status, True, True)
+
+
+def test_a_head_reply_ends_with_its_head_and_the_next_reply_parses() -> None:
+    reply = parse(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", head_request=True)
+    assert (reply.complete, reply.reusable, reply.peek_body()) == (True, True, b"")
+    # The same parser object carries the next exchange on the connection.
+    reply.begin(head_request=False)
+    reply.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    assert (reply.complete, reply.reusable, reply.take_body()) == (True, True, b"ok")
+
+
+def test_body_bytes_after_a_head_reply_spoil_the_connection() -> None:
+    reply = parse(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello", head_request=True)
+    assert (reply.complete, reply.reusable, reply.peek_body()) == (True, False, b"")
+
+
+def test_a_head_reply_without_a_length_is_not_reused() -> None:
+    reply = parse(b"HTTP/1.1 200 OK\r\n\r\n", head_request=True)
+    assert (reply.complete, reply.reusable) == (True, False)
+
+
+def test_the_next_exchange_starts_clean() -> None:
+    reply = parse(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    reply.begin(head_request=False)
+    assert state(reply) == (0, "", [], b"", False, False, False, None)
+    assert (reply.received, reply.buffered, reply.content_length) == (0, 0, None)
+    reply.feed(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+    assert state(reply) == (
+        404,
+        "Not Found",
+        [("Content-Length", "0")],
+        b"",
+        True,
+        True,
+        True,
+        None,
+    )
