@@ -256,9 +256,10 @@ class ControlServer:
         loop = asyncio.get_running_loop()
         factory = lambda: _Connection(self)  # noqa: E731 - one Protocol per connection
         if self._unix_path is not None:
-            self._server = await loop.create_unix_server(factory, sock=self._sock)
+            # backlog again: asyncio listens anew with its default of 100 otherwise.
+            self._server = await loop.create_unix_server(factory, sock=self._sock, backlog=1024)
         else:
-            self._server = await loop.create_server(factory, sock=self._sock)
+            self._server = await loop.create_server(factory, sock=self._sock, backlog=1024)
 
     @property
     def tcp_port(self) -> int | None:

@@ -279,7 +279,10 @@ class RouterService:
         """Its control connection closed: if its address refuses connections too,
         it is gone now; otherwise it is lost until the grace ends."""
         self.metrics.worker_transition("lost")
-        self._spawn_task(self.check_worker(worker), f"check-{worker.id}")
+        # The generation is taken now, not when the probe task first runs: a new boot's
+        # hello may land in between, and the probe is about the process that left.
+        check = self.check_worker(worker, generation=worker.generation)
+        self._spawn_task(check, f"check-{worker.id}")
 
     def _spawned_exited(self, spawned: SpawnedWorker, returncode: int | None) -> None:
         worker = self.core.workers.get(spawned.worker_id)
@@ -353,11 +356,15 @@ class RouterService:
         if wanted:
             self.prober.start()
 
-    async def check_worker(self, worker: Worker) -> bool:
-        """Probe `worker`'s address; retire it if nothing listens. True if it is gone."""
+    async def check_worker(self, worker: Worker, generation: int | None = None) -> bool:
+        """Probe `worker`'s address; retire it if nothing listens. True if it is gone.
+        `generation`: the process generation the probe is about (default: the current)."""
+        if generation is None:
+            generation = worker.generation
+        if worker.generation != generation:
+            return False  # a newer process registered since: not this probe's business
         if _exited(worker):
             return True
-        generation = worker.generation
         outcome = await probe_connect(worker.url, self.config.timeouts.connect_s)
         if worker.generation != generation or _exited(worker):
             return _exited(worker)  # changed while we probed: the newer news wins
