@@ -19,8 +19,8 @@ from types import MappingProxyType
 from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
 from yarl import URL
 
-# The header rules have one home, router.forward, until the aiohttp-client forwarder is
-# retired; they then move here. The equivalence is pinned by tests/test_relay_wire.py.
+# The header rules have one home, router.forward (the forwarding contract); this module
+# builds the same head in one pass, pinned equal by tests/test_relay_wire.py.
 from router.forward import _connection_named, _keeps_request_header
 
 __all__ = [
