@@ -16,25 +16,11 @@ the system's temporary directory is used (and kept for later runs). Without athe
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import sys
-import tempfile
-from pathlib import Path
 
+from fuzz_harness import instrumented, run
 
-def _instrumented() -> contextlib.AbstractContextManager[object]:
-    """atheris' coverage instrumentation of the router's modules, when fuzzing."""
-    if "--replay" in sys.argv:
-        return contextlib.nullcontext()
-    atheris = importlib.import_module("atheris")
-    manager: contextlib.AbstractContextManager[object] = atheris.instrument_imports(
-        include=["router"]
-    )
-    return manager
-
-
-with _instrumented():
+with instrumented():
     from router.tokens import (
         ALGORITHMS,
         EpisodeToken,
@@ -106,28 +92,7 @@ def _parse(token: str, verifier: TokenVerifier | None) -> EpisodeToken | None:
 
 def main(argv: list[str]) -> int:
     """Fuzz with atheris, or with --replay run the seeds and the given files once."""
-    if "--replay" in argv:
-        for data in [*seeds(), *(Path(a).read_bytes() for a in argv[1:] if a != "--replay")]:
-            check(data)
-        return 0
-    corpora = [a for a in argv[1:] if not a.startswith("-")]
-    if not corpora:
-        corpora = [str(Path(tempfile.gettempdir()) / "episode-router-fuzz" / NAME)]
-        argv = [*argv, corpora[0]]
-    _seed(Path(corpora[0]))
-    atheris = importlib.import_module("atheris")
-    atheris.Setup(argv, check)
-    atheris.Fuzz()  # libFuzzer exits the process itself
-    return 0
-
-
-def _seed(folder: Path) -> None:
-    """Writes the seeds into an empty (or missing) corpus folder."""
-    folder.mkdir(parents=True, exist_ok=True)
-    if any(folder.iterdir()):
-        return
-    for index, data in enumerate(seeds()):
-        (folder / f"seed-{index}").write_bytes(data)
+    return run(argv, NAME, check, seeds)
 
 
 if __name__ == "__main__":
