@@ -213,7 +213,6 @@ class ReplyParser:
         "chunks",
         "complete",
         "content_length",
-        "has_connection",
         "head_bytes",
         "head_done",
         "headers",
@@ -244,7 +243,6 @@ class ReplyParser:
         self.chunks: list[bytes] = []
         self.complete = False
         self.content_length: int | None = None
-        self.has_connection = False  # a Connection header names hop-by-hop fields
         self.head_bytes = 0
         self.head_done = False
         self.headers: list[tuple[str, str]] = []
@@ -330,13 +328,11 @@ class ReplyParser:
             raise ValueError(self.broken)
         text = value.decode("utf-8", "surrogateescape")
         size = len(name)
-        # Only three names matter here; their lengths rule most names out without lower().
+        # Only two names matter here; their lengths rule most names out without lower().
         if size == 14 and name.lower() == b"content-length":
             self.content_length = int(value)  # llhttp has checked it is one decimal number
         elif size == 17 and name.lower() == b"transfer-encoding":
             self._transfer_encoding = text
-        elif size == 10 and name.lower() == b"connection":
-            self.has_connection = True
         self.headers.append((name.decode("latin-1"), text))
 
     def on_headers_complete(self) -> None:
@@ -352,7 +348,6 @@ class ReplyParser:
             self._reason = b""
             self.content_length = None
             self._transfer_encoding = None
-            self.has_connection = False
             return
         self.status = status
         self.reason = self._reason.decode("utf-8", "surrogateescape")  # as header values

@@ -75,7 +75,6 @@ class SessionKind:
     seed: Route | None = None
     close: Route | None = None
     learn: LearnConfig | None = None
-    unclaimed_forward: bool = False
 
     @property
     def precedence(self) -> int:
@@ -98,7 +97,6 @@ def kind_from_config(config: SessionKindConfig) -> SessionKind:
         seed=_route(config.seed),
         close=_route(config.close),
         learn=config.seed.learn if config.seed is not None else None,
-        unclaimed_forward=config.unclaimed == "forward",
     )
     if config.cookie is not None:
         cookie = config.cookie
