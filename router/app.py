@@ -11,36 +11,25 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from aiohttp import hdrs, web
-
-from router.answers import Answer, render
+from router.answers import Answer
 from router.core import Forward, RouterCore
+from router.edge_request import BodyBroken, PublicRequest
 from router.framing import framing_problem
 from router.learn import ReplyLearner, plan_learning
-from router.metrics import RouterMetrics
+from router.metrics import CLIENT_CLOSED, RouterMetrics
 from router.relay import Forwarder, Upstream, UpstreamFailure
 from router.sessions import SessionReader, SessionRef
 from router.workers import Worker, WorkerState
 
 log = logging.getLogger("episode_router.public")
 answers_log = logging.getLogger("episode_router.answers")
+access_log = logging.getLogger("episode_router.access")
 MAX_LOGGED_PATH = 200  # a hostile client's path is cut here in the log
 
 BOOT_HEADER = "X-Episode-Router-Boot"
 MAX_SESSIONLESS_TRIES = 3  # connect refused on a sessionless request: try this many workers
-
-
-def answer_response(answer: Answer, request: web.BaseRequest | None = None) -> web.Response:
-    """The HTTP response for one of the router's own answers."""
-    status, headers, body = render(answer)
-    response = web.Response(status=status, body=body, headers=headers)
-    if answer.code == "bad_request":
-        response.force_close()  # its framing cannot be trusted: nothing after it either
-    elif request is not None and request.body_exists and not request.content.is_eof():
-        # The body was not read: close rather than leave its bytes on a kept-alive
-        # connection, and never send 100 Continue for a request we refuse.
-        response.force_close()
-    return response
+# A request whose client left before its reply is counted with nginx's status for it.
+CLIENT_CLOSED_STATUS = 499
 
 
 class PublicHandler:
@@ -55,6 +44,7 @@ class PublicHandler:
         check_worker: Callable[[Worker], Awaitable[bool]],
         max_body_bytes: int | None = None,
         metrics: RouterMetrics | None = None,
+        access_log: bool = False,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -65,21 +55,38 @@ class PublicHandler:
         self._check_worker = check_worker
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
+        self.access_log = access_log  # one line per request (log.access)
         self._clock = clock
         self._wall_clock = wall_clock
         self.shutting_down = False
 
-    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def handle(self, request: PublicRequest) -> None:
+        """Answers or forwards `request`; its reply goes out through its connection."""
         started = time.perf_counter()
         exchange = _Exchange(request)
-        response = await self._serve(exchange, started)
+        try:
+            await self._serve(exchange, started)
+        except BodyBroken as broken:
+            exchange.body_broke(broken)
+        elapsed = time.perf_counter() - started
         metrics = self.metrics
         if metrics is not None:
-            elapsed = time.perf_counter() - started
-            metrics.request_done(exchange.kind, exchange.outcome, response.status, elapsed)
-        return response
+            metrics.request_done(exchange.kind, exchange.outcome, exchange.status, elapsed)
+        if self.access_log:
+            access_log.info(
+                "request",
+                extra={
+                    "method": request.method,
+                    "path": exchange.path[:MAX_LOGGED_PATH],
+                    "status": exchange.status,
+                    "outcome": exchange.outcome,
+                    "kind": exchange.kind,
+                    "duration_ms": round(elapsed * 1000, 3),
+                    "client": request.remote,
+                },
+            )
 
-    async def _serve(self, exchange: _Exchange, started: float) -> web.StreamResponse:
+    async def _serve(self, exchange: _Exchange, started: float) -> None:
         request = exchange.request
         refusal = self._refuse_early(request)
         if refusal is not None:
@@ -110,16 +117,16 @@ class PublicHandler:
             found = reader.read_path(exchange.path, exchange.seeding)
         return found
 
-    def _refuse_early(self, request: web.BaseRequest) -> Answer | None:
+    def _refuse_early(self, request: PublicRequest) -> Answer | None:
         if self.shutting_down:
             return Answer("shutting_down", "The router is shutting down.", retry_after_s=1.0)
         length = request.content_length
         problem = framing_problem(
             request.method,
-            (request.version.major, request.version.minor),
-            request.headers.getall(hdrs.TRANSFER_ENCODING, ()),
+            request.version,
+            request.headers.getall("Transfer-Encoding", ()),
             length,
-            request.raw_path,
+            request.target,
         )
         if problem is not None:
             return Answer("bad_request", problem)
@@ -127,21 +134,26 @@ class PublicHandler:
             return Answer("payload_too_large", "The request body is over the router's limit.")
         return None
 
-    async def _forward(
-        self, exchange: _Exchange, decision: Forward, *, sessionless: bool
-    ) -> web.StreamResponse:
+    async def _forward(self, exchange: _Exchange, decision: Forward, *, sessionless: bool) -> None:
         request = exchange.request
-        if request.headers.get("Expect", "").lower() == "100-continue":
+        if request.expect_continue and not request.body_complete:
             # The client waits for this before it sends the body; the worker never
             # sees Expect (the forwarder drops it), so the router says it here.
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.client.send_continue()
         tried: set[str] = set()
         while True:
             worker = decision.worker
             tried.add(worker.id)
             outcome = await self._forward_once(exchange, decision)
             if not isinstance(outcome, UpstreamFailure):
-                return outcome
+                exchange.status = outcome
+                return
+            if outcome.kind == "client_left":
+                return exchange.client_left()
+            if outcome.kind == "bad_body":
+                return exchange.answer(
+                    Answer("bad_request", f"The request body is malformed ({outcome.detail}).")
+                )
             if outcome.kind == "too_large":
                 return exchange.answer(
                     Answer("payload_too_large", "The request body is over the router's limit.")
@@ -159,9 +171,7 @@ class PublicHandler:
                 return exchange.answer(retry)
             return exchange.answer(self._failure_answer(outcome, gone, decision))
 
-    async def _forward_once(
-        self, exchange: _Exchange, decision: Forward
-    ) -> web.StreamResponse | UpstreamFailure:
+    async def _forward_once(self, exchange: _Exchange, decision: Forward) -> int | UpstreamFailure:
         request = exchange.request
         worker = decision.worker
         extra = {BOOT_HEADER: decision.boot} if decision.boot else {}
@@ -173,7 +183,7 @@ class PublicHandler:
                 request,
                 Upstream(worker.id, worker.url),
                 extra_headers=extra,
-                public_base=f"{request.scheme}://{request.host}",
+                public_base=f"http://{request.host}",
                 body=exchange.body,
                 observer=self._learner(exchange, worker),
             )
@@ -221,22 +231,24 @@ class PublicHandler:
 class _Exchange:
     """One request on its way through the handler, with what was learned of it."""
 
-    __slots__ = ("body", "found", "kind", "outcome", "path", "request", "seeding")
+    __slots__ = ("body", "found", "kind", "outcome", "path", "request", "seeding", "status")
 
-    def __init__(self, request: web.BaseRequest) -> None:
+    def __init__(self, request: PublicRequest) -> None:
         self.request = request
         self.kind: str | None = None  # the session kind it named, for metrics
         self.outcome = "forwarded"  # or the code of the router's own answer
+        self.status = 0  # the reply's status, for metrics
         # Routes are matched on the raw path, as the worker will read it.
-        self.path = request.raw_path.partition("?")[0]
+        self.path = request.path
         self.seeding: frozenset[str] = frozenset()
         self.found: SessionRef | None = None
         self.body: bytes | None = None  # read only when a body kind needed it
 
-    def answer(self, answer: Answer) -> web.Response:
-        """The router's own answer to this request, logged as one line (never the token:
-        `session` is the key the token names)."""
+    def answer(self, answer: Answer) -> None:
+        """Sends the router's own answer to this request, logged as one line (never the
+        token: `session` is the key the token names)."""
         self.outcome = answer.code
+        self.status = answer.status
         request = self.request
         answers_log.info(
             "answered",
@@ -250,10 +262,24 @@ class _Exchange:
                 "client": request.remote,
             },
         )
-        return answer_response(answer, request)
+        request.client.answer(request, answer)
+
+    def body_broke(self, broken: BodyBroken) -> None:
+        """The request body could not be read: 400 for a malformed one; nothing for a
+        client that left (there is no one to answer)."""
+        if broken.malformed:
+            self.answer(Answer("bad_request", f"The request body is malformed ({broken.reason})."))
+        else:
+            self.client_left()
+
+    def client_left(self) -> None:
+        """The client went away before its reply: counted, nothing is sent."""
+        self.outcome = CLIENT_CLOSED
+        self.status = CLIENT_CLOSED_STATUS
+        self.request.client.drop()
 
 
-def _small_json_body(request: web.BaseRequest, reader: SessionReader) -> bool:
+def _small_json_body(request: PublicRequest, reader: SessionReader) -> bool:
     """A body kind may look only at a JSON body whose length is known and small:
     anything else names no session (and is streamed, never buffered)."""
     length = request.content_length

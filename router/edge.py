@@ -1,133 +1,613 @@
-"""The public listener's HTTP server: aiohttp's low-level server with the router's edge rules.
+"""The public listener's HTTP/1.1 server: one asyncio protocol per client connection.
 
-Owns what happens before a request reaches the public handler:
-- a request head that cannot be parsed (bad framing, a line or a header section
-  over the limits) gets the router's own JSON answer (400, 414 or 431) and a
-  closed connection, logged at debug level so hostile traffic cannot flood
-  the log;
-- a head must arrive complete within `header_timeout_s` of its first byte (of
-  the connection's start, for the first request), or the connection is closed
-  (slowloris); an idle keep-alive connection is bounded by `idle_timeout_s`.
+This module owns a client connection from accept to close:
+- parsing request heads and bodies with llhttp (httptools, strict: no lenient flags),
+  under the router's limits: a request line over `max_line_bytes` is 414, a header over
+  `max_header_bytes` or more than `max_headers` of them is 431, any other malformed
+  head is 400, each the router's JSON answer with the connection closed, logged at
+  debug level so hostile traffic cannot flood the log;
+- trailers of a chunked body are parsed and dropped: they never become headers;
+- a malformed chunk after the head fails that request's body (its handler answers 400
+  if nothing was sent yet), and the connection closes after it;
+- pipelined requests are handled one at a time, answered in order; reading stops while
+  more than `MAX_PIPELINED` wait or a body holds more than its high-water mark;
+- a head must arrive complete within `header_timeout_s` of its first byte (of the
+  connection's start, for the first request); an idle keep-alive connection closes
+  after `idle_timeout_s`;
+- the reply: relayed replies and the router's own answers are written through the
+  connection (`reply_*`, `answer`), framed for the client's HTTP version, and the
+  connection stays open only when both sides allow it and every body byte was read;
+- a connection closed after an answer to a body still arriving lingers (reads and
+  drops) for up to `LINGER_S`, so the client reads the answer instead of a reset.
 
-The low-level server has no URL dispatcher: every request goes to one handler,
-and nothing sends `100 Continue` on the router's behalf.
+It replaces aiohttp's server on the public port: the same rules at about a third of
+the CPU (see README "Performance"). It never decides where a request goes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import cast
 
-from aiohttp import http_exceptions, web
-from aiohttp.web_protocol import RequestHandler
+from httptools import (
+    HttpParserCallbackError,
+    HttpParserError,
+    HttpParserUpgrade,
+    HttpRequestParser,
+)
+from multidict import CIMultiDict
 
 from router.answers import Answer, render
+from router.edge_request import PublicRequest, RequestBody
+from router.edge_wire import (
+    BodyFraming,
+    HeadRefusal,
+    answer_head,
+    continue_line,
+    head_refusal_answer,
+    reply_head,
+    split_target,
+)
+
+__all__ = ["EdgeConnection", "EdgeLimits", "EdgeServer", "Handler"]
 
 log = logging.getLogger("episode_router.edge")
 
-Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+Handler = Callable[[PublicRequest], Awaitable[None]]
+
+MAX_PIPELINED = 16  # requests parsed ahead of the one being handled, before reading stops
+LINGER_S = 2.0  # how long a closing connection keeps reading (and dropping) a client's body
+LINGER_MAX_BYTES = 1 << 20  # ... and how much of it, before it closes at once
+
+# Why the connection's deadline is set (what happens when it passes).
+_HEAD = 1  # a request head is arriving: close
+_IDLE = 2  # kept alive, nothing in flight: close
+_LINGER = 3  # closing, reading what the client still sends: close
 
 
-def head_error_answer(exc: BaseException | None, max_line_size: int) -> Answer:
-    """The router's answer to a head the parser refused. The parser reports a long
-    request target and a long header alike; the limit it names tells them apart."""
-    if isinstance(exc, http_exceptions.LineTooLong):
-        if exc.args[1:2] == (max_line_size,):
-            return Answer("uri_too_long", "The request line is over the router's limit.")
-        return Answer("headers_too_large", "A request header is over the router's limit.")
-    text = str(getattr(exc, "message", "") or exc or "").strip()
-    if "too many headers" in text.lower() or "header section" in text.lower():
-        return Answer("headers_too_large", "The request has more headers than the router allows.")
-    detail = f"The request is malformed: {text[:120]}." if text else "The request is malformed."
-    return Answer("bad_request", detail)
+@dataclass(frozen=True, slots=True)
+class EdgeLimits:
+    """Per-connection bounds (`limits` in the config)."""
+
+    header_timeout_s: float = 10.0
+    idle_timeout_s: float = 75.0
+    max_line_bytes: int = 8190
+    max_header_bytes: int = 8190
+    max_headers: int = 100
 
 
-class EdgeHandler(RequestHandler):
-    """One client connection (aiohttp's protocol), with the head timeout and the
-    router's answers to malformed heads."""
+class _HeadLimit(Exception):
+    """Raised from a parser callback to stop at a head over the limits."""
 
-    def __init__(self, *args: Any, header_timeout_s: float, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._max_line_size = int(kwargs.get("max_line_size", 8190))
-        self._header_timeout_s = header_timeout_s
-        self._head_timer: asyncio.TimerHandle | None = None
-        self._finished = 0  # responses sent on this connection
-        self._awaiting_head = False  # between requests: the next byte starts a head
+
+class EdgeServer:
+    """Makes an `EdgeConnection` per accepted client and tracks them for shutdown."""
+
+    def __init__(
+        self, handler: Handler, limits: EdgeLimits, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.handler = handler
+        self.limits = limits
+        self.loop = loop
+        self.connections: set[EdgeConnection] = set()
+        self.closing = False
+        self._all_closed = asyncio.Event()  # set once closing and no connection is left
+
+    def __call__(self) -> EdgeConnection:
+        return EdgeConnection(self)
+
+    def set_limits(self, limits: EdgeLimits) -> None:
+        """Limits for the connections accepted from now on (a config reload)."""
+        self.limits = limits
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Closes idle connections now, lets busy ones finish their requests (answered with
+        `Connection: close`) for up to `grace_s`, then aborts what is left."""
+        self.closing = True
+        for conn in list(self.connections):
+            conn.close_when_idle()
+        if self.connections:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._all_closed.wait(), grace_s)
+        for conn in list(self.connections):
+            conn.abort()
+
+    def forget(self, conn: EdgeConnection) -> None:
+        """A connection closed."""
+        self.connections.discard(conn)
+        if self.closing and not self.connections:
+            self._all_closed.set()
+
+
+class EdgeConnection(asyncio.Protocol):
+    """One client connection: its parser, its queue of requests, its reply state."""
+
+    def __init__(self, server: EdgeServer) -> None:
+        self._server = server
+        self._loop = server.loop
+        self._limits = server.limits
+        self._handler = server.handler
+        self._parser = HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self._remote: str | None = None
+        self._local_host = ""
+        # The head being parsed.
+        self._in_head = False
+        self._url = b""
+        self._headers: list[tuple[str, str]] = []
+        self._refusal_kind = HeadRefusal.MALFORMED
+        # Requests parsed and not yet answered, the one being handled first.
+        self._queue: deque[PublicRequest] = deque()
+        self._receiving: PublicRequest | None = None  # its body is still arriving
+        self._task: asyncio.Task[None] | None = None
+        self._refusal: Answer | None = None  # a bad head after the queued requests
+        self._stopped = False  # no more requests are read on this connection
+        self._lost = False
+        self._closing = False  # answer what is queued with Connection: close, then close
+        self._discarded = 0  # bytes dropped while lingering
+        # Reading stops for either reason; it starts again when both are gone.
+        self._pipeline_full = False
+        self._body_backlog = False
+        self._reading_paused = False
+        # The reply being written.
+        self._framing = BodyFraming.NONE
+        self._reply_keep_alive = False
+        self._replied = False  # a reply head went out for the current request
+        self._write_paused = False
+        self._drain_waiter: asyncio.Future[None] | None = None
+        # One timer per connection, moved lazily: setting a later deadline only stores it
+        # (the timer re-arms itself when it fires early), so a kept-alive connection
+        # costs no timer call per request.
+        self._deadline: float | None = None
+        self._deadline_kind = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_when = 0.0
+
+    # --- the transport's events -------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        self._arm_head_timer()
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        self._disarm_head_timer()
-        super().connection_lost(exc)
+        # A stream transport (uvloop's is not registered as an asyncio.Transport).
+        self.transport = cast(asyncio.Transport, transport)
+        self._server.connections.add(self)
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and peer:
+            self._remote = str(peer[0])
+        local = transport.get_extra_info("sockname")
+        if isinstance(local, tuple) and len(local) >= 2:
+            host = str(local[0])
+            self._local_host = f"[{host}]:{local[1]}" if ":" in host else f"{host}:{local[1]}"
+        self._set_deadline(self._loop.time() + self._head_timeout_s(), _HEAD)
 
     def data_received(self, data: bytes) -> None:
-        if self._awaiting_head and data:
-            self._awaiting_head = False
-            self._arm_head_timer()
-        count = self._request_count
-        super().data_received(data)
-        if self._request_count > count:
-            self._disarm_head_timer()  # a complete head arrived
+        if self._stopped:
+            if self._deadline_kind == _LINGER:
+                self._discarded += len(data)
+                if self._discarded > LINGER_MAX_BYTES:
+                    self._close()
+            return
+        self._feed(data)
+        if self._in_head and self._deadline_kind != _HEAD and not self._stopped:
+            # A head began and did not end in this read: its clock starts now.
+            self._set_deadline(self._loop.time() + self._head_timeout_s(), _HEAD)
 
-    async def finish_response(self, *args: Any, **kwargs: Any) -> Any:
-        result = await super().finish_response(*args, **kwargs)
-        self._finished += 1
-        # The next head's clock starts at its first byte (idle time is the keep-alive
-        # bound's business), unless it already arrived whole, pipelined.
-        self._awaiting_head = self._request_count <= self._finished
-        return result
+    def _head_timeout_s(self) -> float:
+        # The idle bound covers a connection on which no request is being handled, a
+        # head still arriving included: the shorter of the two applies.
+        limits = self._limits
+        return min(limits.header_timeout_s, limits.idle_timeout_s)
 
-    def handle_error(
-        self,
-        request: web.BaseRequest,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
-    ) -> web.StreamResponse:
-        if status != 400:
-            return super().handle_error(request, status, exc, message)
-        answer = head_error_answer(exc, self._max_line_size)
-        log.debug("refused a malformed request head", extra={"error": answer.code})
-        code, headers, body = render(answer)
-        response = web.Response(status=code, body=body, headers=headers)
-        response.force_close()
-        return response
+    def eof_received(self) -> bool:
+        # A client's FIN is taken as its leaving, as aiohttp and nginx (without
+        # proxy_ignore_client_abort) take it: half-closed HTTP clients are rare, and a
+        # departed one must free its worker connection. The transport closes now;
+        # connection_lost does the rest.
+        return False
 
-    def _arm_head_timer(self) -> None:
-        self._disarm_head_timer()
-        # The handler's own loop: asyncio.get_running_loop() costs a getpid() syscall
-        # per call on Python 3.11 (seen in strace), once per request here.
-        self._head_timer = self._loop.call_later(self._header_timeout_s, self._head_timed_out)
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._lost = True
+        self._stopped = True
+        self._server.forget(self)
+        self._set_deadline(None, 0)
+        receiving = self._receiving
+        if receiving is not None and receiving.body is not None:
+            receiving.body.fail("the client went away mid-body", malformed=False)
+        self._receiving = None
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(ConnectionResetError("the client went away"))
+        if self._queue:
+            callback = self._queue[0].on_client_lost
+            if callback is not None:
+                callback()
 
-    def _disarm_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+    def pause_writing(self) -> None:
+        self._write_paused = True
 
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if self.transport is not None and not self.transport.is_closing():
-            log.debug("closed a connection whose request head did not arrive in time")
-            self.transport.close()
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
+    # --- parsing (llhttp's callbacks: nothing else calls the on_* methods) -------------
 
-class EdgeServer(web.Server):
-    """aiohttp's low-level server making `EdgeHandler` connections."""
+    def _feed(self, data: bytes) -> None:
+        while True:
+            try:
+                self._parser.feed_data(data)
+            except HttpParserUpgrade as exc:
+                # An Upgrade request is served as plain HTTP (never switched); llhttp
+                # stops after it, so parsing goes on from where it stopped.
+                rest = data[int(exc.args[0]) :]
+                if rest and not self._stopped:
+                    data = rest
+                    continue
+            except HttpParserCallbackError:
+                self._parse_failed(self._refusal_kind, "")
+            except HttpParserError as exc:
+                self._parse_failed(HeadRefusal.MALFORMED, str(exc))
+            return
 
-    def __init__(self, handler: Handler, *, header_timeout_s: float, **kwargs: Any) -> None:
-        super().__init__(handler, **kwargs)
-        self._header_timeout_s = header_timeout_s
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        self._url = b""
+        self._headers = []
 
-    def set_limits(self, *, header_timeout_s: float, **kwargs: Any) -> None:
-        """Limits for the connections accepted from now on (a config reload)."""
-        self._header_timeout_s = header_timeout_s
-        self._kwargs.update(kwargs)
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        if len(self._url) > self._limits.max_line_bytes:
+            self._refusal_kind = HeadRefusal.LINE_TOO_LONG
+            raise _HeadLimit
 
-    def __call__(self) -> RequestHandler:
-        return EdgeHandler(
-            self, loop=self._loop, header_timeout_s=self._header_timeout_s, **self._kwargs
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_head:
+            return  # a trailer of a chunked body: dropped, never a header
+        limits = self._limits
+        if len(name) + len(value) + 2 > limits.max_header_bytes:
+            self._refusal_kind = HeadRefusal.FIELD_TOO_LONG
+            raise _HeadLimit
+        if len(self._headers) >= limits.max_headers:
+            self._refusal_kind = HeadRefusal.TOO_MANY_HEADERS
+            raise _HeadLimit
+        # llhttp let only token characters into a name; a value keeps its exact bytes
+        # through the surrogate escapes, to be encoded back for the worker.
+        self._headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._deadline_kind == _HEAD:
+            self._set_deadline(None, 0)
+        parser = self._parser
+        headers = CIMultiDict(self._headers)
+        chunked = "Transfer-Encoding" in headers
+        length_text = headers.get("Content-Length")
+        # llhttp accepted only digits and refused a repeat or a length with chunked.
+        content_length = int(length_text) if length_text is not None and not chunked else None
+        body = RequestBody(self, self._loop) if chunked or (content_length or 0) > 0 else None
+        major, _, minor = parser.get_http_version().partition(".")
+        version = (int(major), int(minor))
+        target, authority = split_target(self._url.decode("utf-8", "surrogateescape"))
+        request = PublicRequest(
+            parser.get_method().decode("ascii"),
+            target,
+            version,
+            headers,
+            remote=self._remote,
+            host=authority or headers.get("Host") or self._local_host,
+            authority=authority,
+            keep_alive=parser.should_keep_alive(),
+            content_length=content_length,
+            chunked=chunked,
+            body=body,
+            client=self,
         )
+        if body is not None:
+            self._receiving = request
+            request.expect_continue = headers.get(
+                "Expect", ""
+            ).lower() == "100-continue" and version >= (1, 1)
+        self._queue.append(request)
+        if self._task is None:
+            self._task = self._loop.create_task(self._serve())
+        elif len(self._queue) > MAX_PIPELINED and not self._pipeline_full:
+            self._pipeline_full = True
+            self._update_reading()
+
+    def on_body(self, body: bytes) -> None:
+        receiving = self._receiving
+        if receiving is not None and receiving.body is not None:
+            receiving.body.feed(body)
+
+    def on_message_complete(self) -> None:
+        receiving = self._receiving
+        if receiving is not None and receiving.body is not None:
+            receiving.body.feed_eof()
+        self._receiving = None
+
+    def _parse_failed(self, kind: HeadRefusal, error: str) -> None:
+        self._stopped = True
+        self._closing = True
+        self._set_deadline(None, 0)
+        receiving = self._receiving
+        if receiving is not None and receiving.body is not None and not self._in_head:
+            # The head was fine and handed on; its body is not: that request fails.
+            receiving.body.fail(f"the request body is malformed: {error}", malformed=True)
+            self._receiving = None
+            log.debug("refused a malformed request body", extra={"error": error[:120]})
+            return
+        answer = head_refusal_answer(kind, error)
+        log.debug("refused a malformed request head", extra={"error": answer.code})
+        if self._task is None:
+            self._write_answer_and_close(answer)
+        else:
+            self._refusal = answer  # answered in order, after the requests before it
+
+    # --- flow control -----------------------------------------------------------------
+
+    def body_backlogged(self) -> None:
+        self._body_backlog = True
+        self._update_reading()
+
+    def body_drained(self) -> None:
+        self._body_backlog = False
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        transport = self.transport
+        if transport is None or self._lost:
+            return
+        pause = self._pipeline_full or self._body_backlog
+        if pause and not self._reading_paused:
+            self._reading_paused = True
+            transport.pause_reading()
+        elif not pause and self._reading_paused:
+            self._reading_paused = False
+            transport.resume_reading()
+
+    # --- serving ----------------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        """Handles the queued requests in order; ends when none is left."""
+        queue = self._queue
+        try:
+            while queue and not self._lost:
+                request = queue[0]
+                self._replied = False
+                try:
+                    await self._handler(request)
+                except Exception:
+                    log.exception("the request handler failed")
+                    self.abort()
+                    return
+                queue.popleft()
+                if not self._replied:
+                    log.error("the request handler sent no reply; closing the connection")
+                    self.abort()
+                    return
+                if self._pipeline_full and len(queue) <= MAX_PIPELINED:
+                    self._pipeline_full = False
+                    self._update_reading()
+                if not self._reply_keep_alive:
+                    self._close_after(request)
+                    return
+            if self._lost:
+                return
+            if self._refusal is not None:
+                self._write_answer_and_close(self._refusal)
+            elif self._closing and not self._in_head:
+                self._close()
+            elif not self._in_head:
+                self._set_deadline(self._loop.time() + self._limits.idle_timeout_s, _IDLE)
+        finally:
+            self._task = None
+
+    def close_when_idle(self) -> None:
+        """Shutdown: an idle connection closes now; a busy one after its queue."""
+        self._closing = True
+        if self._task is None:
+            self._close()
+
+    def abort(self) -> None:
+        transport = self.transport
+        if transport is not None:
+            transport.abort()
+
+    def _close_after(self, request: PublicRequest) -> None:
+        """Closes once a reply said `Connection: close`; lingers when the client may
+        still be sending the body of the request it was an answer to."""
+        self._stopped = True
+        transport = self.transport
+        if transport is None or self._lost:
+            return
+        if request.body_complete or not transport.can_write_eof():
+            self._close()
+            return
+        transport.write_eof()  # the answer is all the client gets; it may stop sending
+        self._set_deadline(self._loop.time() + LINGER_S, _LINGER)
+        self._pipeline_full = self._body_backlog = False
+        self._update_reading()
+
+    def _close(self) -> None:
+        self._stopped = True
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.close()
+
+    # --- deadlines ----------------------------------------------------------------------
+
+    def _set_deadline(self, when: float | None, kind: int) -> None:
+        self._deadline = when
+        self._deadline_kind = kind
+        if when is None:
+            return
+        timer = self._timer
+        if timer is not None:
+            if self._timer_when <= when:
+                return  # it fires early, sees the later deadline, and re-arms
+            timer.cancel()
+        self._timer = self._loop.call_at(when, self._deadline_passed)
+        self._timer_when = when
+
+    def _deadline_passed(self) -> None:
+        self._timer = None
+        deadline = self._deadline
+        if deadline is None or self._lost:
+            return
+        if self._loop.time() < deadline:
+            self._timer = self._loop.call_at(deadline, self._deadline_passed)
+            self._timer_when = deadline
+            return
+        kind = self._deadline_kind
+        self._deadline = None
+        if kind == _HEAD:
+            log.debug("closed a connection whose request head did not arrive in time")
+        self._close()
+
+    # --- replies (called by the handler, for the request at the head of the queue) ----
+
+    def send_continue(self) -> None:
+        """`100 Continue`, for a client waiting for it before it sends the body."""
+        transport = self.transport
+        if transport is not None and not self._lost:
+            transport.write(continue_line())
+
+    def answer(self, request: PublicRequest, answer: Answer) -> None:
+        """One of the router's own answers, whole. The connection closes after a
+        400 (its framing cannot be trusted) and after any answer to a request whose body
+        has not all arrived (its rest is never read as a next request)."""
+        status, headers, body = render(answer)
+        keep_alive = (
+            request.keep_alive
+            and not self._closing
+            and answer.code != "bad_request"
+            and request.body_complete
+        )
+        head = answer_head(status, headers, len(body), keep_alive=keep_alive)
+        self._write(head + body if request.method != "HEAD" else head)
+        self._replied = True
+        self._reply_keep_alive = keep_alive
+
+    def reply_whole(
+        self,
+        request: PublicRequest,
+        status: int,
+        reason: str,
+        headers: Iterable[tuple[str, str]],
+        body: bytes,
+    ) -> None:
+        """A relayed reply whose body is all here: head and body in one write."""
+        head, framing = self._reply_head(request, status, reason, headers)
+        if framing is BodyFraming.LENGTH or framing is BodyFraming.CLOSE:
+            self._write(head + body)
+        elif framing is BodyFraming.CHUNKED:
+            self._write(
+                head + b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body) if body else head + b"0\r\n\r\n"
+            )
+        else:
+            self._write(head)
+
+    def reply_start(
+        self,
+        request: PublicRequest,
+        status: int,
+        reason: str,
+        headers: Iterable[tuple[str, str]],
+        first: bytes,
+    ) -> None:
+        """The head of a streamed reply, with the body bytes already here (b"": the head
+        alone, so an event stream's client sees it before the first event)."""
+        head, _ = self._reply_head(request, status, reason, headers)
+        self._replied = False  # not finished until reply_end
+        self._write(head + self._framed(first) if first else head)
+
+    def reply_write(self, data: bytes) -> None:
+        """More of a streamed reply's body, as it arrived."""
+        if data:
+            self._write(self._framed(data))
+
+    def reply_end(self) -> None:
+        """The end of a streamed reply (the chunked terminator, if chunked)."""
+        if self._framing is BodyFraming.CHUNKED:
+            self._write(b"0\r\n\r\n")
+        elif self._framing is BodyFraming.CLOSE:
+            self._reply_keep_alive = False
+        self._replied = True
+
+    def reply_abort(self, idle_s: float) -> None:
+        """Ends the connection with no clean terminator after what was relayed, so the
+        client sees the reply is incomplete. A client that does not read what is left
+        gets the connection reset after `idle_s`."""
+        self._replied = True
+        self._reply_keep_alive = False
+        self._stopped = True
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        transport.close()
+        if transport.get_write_buffer_size():
+            self._loop.call_later(idle_s, transport.abort)
+
+    def drop(self) -> None:
+        """No reply for this request (its client left): the connection ends."""
+        self._replied = True
+        self._reply_keep_alive = False
+        self.abort()
+
+    @property
+    def client_gone(self) -> bool:
+        return self._lost
+
+    async def drain(self) -> None:
+        """Waits while the client is slower than the reply; raises ConnectionResetError
+        once the client is gone."""
+        if self._lost:
+            raise ConnectionResetError("the client went away")
+        if not self._write_paused:
+            return
+        self._drain_waiter = self._loop.create_future()
+        try:
+            await self._drain_waiter
+        finally:
+            self._drain_waiter = None
+
+    def _reply_head(
+        self,
+        request: PublicRequest,
+        status: int,
+        reason: str,
+        headers: Iterable[tuple[str, str]],
+    ) -> tuple[bytes, BodyFraming]:
+        keep_alive = request.keep_alive and not self._closing and request.body_complete
+        head, framing, keep_alive = reply_head(
+            status,
+            reason,
+            headers,
+            version_11=request.version_11,
+            head_request=request.method == "HEAD",
+            keep_alive=keep_alive,
+        )
+        self._framing = framing
+        self._reply_keep_alive = keep_alive
+        self._replied = True
+        return head, framing
+
+    def _framed(self, data: bytes) -> bytes:
+        if self._framing is BodyFraming.CHUNKED:
+            return b"%x\r\n%b\r\n" % (len(data), data)
+        return data
+
+    def _write(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is not None and not self._lost:
+            transport.write(data)
+
+    def _write_answer_and_close(self, answer: Answer) -> None:
+        status, headers, body = render(answer)
+        self._write(answer_head(status, headers, len(body), keep_alive=False) + body)
+        self._refusal = None
+        self._close()

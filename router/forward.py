@@ -33,7 +33,9 @@ __all__ = [
 ]
 
 # too_large: a streamed request body went over the body limit (the router answers 413).
-FailureKind = Literal["refused", "error", "timeout", "too_large"]
+# bad_body: the client's request body was malformed (a bad chunk) after its head (400).
+# client_left: the client went away before the reply head (nothing left to answer).
+FailureKind = Literal["refused", "error", "timeout", "too_large", "bad_body", "client_left"]
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) plus the legacy ones proxies still see.
 # Any other `Proxy-*` name is dropped too (see `_is_hop_by_hop`).
@@ -148,6 +150,7 @@ def request_headers_for_worker(
     client_ip: str | None,
     scheme: str,
     extra: Mapping[str, str] = _NO_HEADERS,
+    authority: str | None = None,
 ) -> CIMultiDict[str]:
     """The header section a worker receives for a client's request (DESIGN §8).
 
@@ -155,7 +158,8 @@ def request_headers_for_worker(
     headers the router owns; sets Host to the worker's address and the X-Forwarded-* set;
     adds `extra` last. Repeated headers and the client's order are kept. When the client
     sent Transfer-Encoding, its Content-Length is dropped too: the body is re-framed as
-    chunked and a leftover length would let the two framings disagree.
+    chunked and a leftover length would let the two framings disagree. `authority`: an
+    absolute-form target's, which stands in for the client's Host (RFC 9112 §3.2.2).
     """
     items = list(client_headers)
     named = _connection_named(items)
@@ -169,6 +173,8 @@ def request_headers_for_worker(
             original_host = value
         if _keeps_request_header(lower, named) and not (chunked and lower == "content-length"):
             out.add(name, value)
+    if authority is not None:
+        original_host = authority
     if original_host is not None:
         out["X-Forwarded-Host"] = original_host
     if client_ip:

@@ -43,6 +43,7 @@ __all__ = [
 SESSIONLESS: Final = "none"  # the `kind` label of a request that names no session
 OTHER: Final = "other"  # any label value outside its fixed set
 FORWARDED: Final = "forwarded"
+CLIENT_CLOSED: Final = "client_closed"  # the client left before its reply (status 499)
 STATUS_CLASSES: Final = ("1xx", "2xx", "3xx", "4xx", "5xx")
 # The control protocol's ops (DESIGN §3); any other op string is counted as "invalid".
 CONTROL_OPS: Final = ("hello", "claim", "release", "sync", "drain", "bye", "ping")
@@ -235,7 +236,7 @@ class RouterMetrics:
         `status` the reply's status, `seconds` the whole request's duration.
         About 1.5 µs: a counter child found in a dict, and a histogram child."""
         kind_label = self._kind_labels.get(kind, OTHER)
-        if outcome != FORWARDED and outcome not in STATUS_BY_CODE:
+        if outcome != FORWARDED and outcome not in STATUS_BY_CODE and outcome != CLIENT_CLOSED:
             outcome = OTHER
         key = (kind_label, outcome, status_class(status))
         child = self._request_children.get(key)

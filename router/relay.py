@@ -21,9 +21,9 @@ import asyncio
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from aiohttp import web
 from multidict import CIMultiDict
 
+from router.edge_request import BodyBroken, PublicRequest
 from router.forward import (
     ForwardTimeouts,
     ReplyObserver,
@@ -34,16 +34,8 @@ from router.forward import (
     rewrite_location,
 )
 from router.relay_pool import TIMED_OUT, PoolClosed, WorkerConnection, WorkerPool
-from router.relay_reply import (
-    RelayedResponse,
-    abort_client,
-    finish_stream,
-    log,
-    send_cut,
-    send_whole,
-    stream_reply,
-)
-from router.relay_request import WHOLE_BODY_MAX, connect_failure, framed_body, request_target
+from router.relay_reply import CLIENT_GONE, log, send_cut, stream_reply
+from router.relay_request import WHOLE_BODY_MAX, connect_failure, framed_body
 from router.relay_wire import (
     CLOSED_BEFORE_REPLY,
     IDEMPOTENT_METHODS,
@@ -63,15 +55,14 @@ __all__ = [
 ]
 
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})
-CLIENT_BROKE = "the client's request body broke off"
 
 
 class _Exchange:
     """One request on its way to a worker: the connection it holds and its upload."""
 
     __slots__ = (
+        "body_broke",
         "chunked",
-        "client_broke",
         "conn",
         "deadline",
         "pool",
@@ -81,14 +72,14 @@ class _Exchange:
         "uploaded",
     )
 
-    def __init__(self, request: web.BaseRequest, pool: WorkerPool) -> None:
+    def __init__(self, request: PublicRequest, pool: WorkerPool) -> None:
         self.request = request
         self.pool = pool
         self.conn: WorkerConnection | None = None
         self.upload: asyncio.Task[None] | None = None  # the streamed request body
         self.uploaded = True  # the whole request went out (False while it streams)
         self.chunked = False  # a streamed body goes out in chunked framing
-        self.client_broke = False
+        self.body_broke: BodyBroken | None = None  # the client's body did not complete
         self.too_large = False  # the streamed body went over max_body_bytes
         self.deadline = 0.0  # for the reply head; pushed on by each uploaded chunk
 
@@ -99,6 +90,7 @@ class _Exchange:
         if conn is None:
             return
         self.conn = None
+        self.request.on_client_lost = None
         upload = self.upload
         if upload is not None and not upload.done():
             upload.cancel()
@@ -132,14 +124,14 @@ class Forwarder:
 
     async def forward(
         self,
-        request: web.BaseRequest,
+        request: PublicRequest,
         upstream: Upstream,
         *,
         extra_headers: Mapping[str, str] = _NO_HEADERS,
         public_base: str | None = None,
         body: bytes | None = None,
         observer: ReplyObserver | None = None,
-    ) -> web.StreamResponse:
+    ) -> int:
         """Relays `request` to `upstream` and the reply back.
 
         `body`: the request body when the caller already read it (to find a session in
@@ -147,10 +139,10 @@ class Forwarder:
         small body) before anything reaches the client, so a claim learned from a reply
         is in the table before the client can send its next request.
 
-        Returns the (already prepared and finished) response for the handler to return.
+        Returns the reply's status once it was relayed (through the request's connection).
         Raises UpstreamFailure when the forward fails before the reply head was sent to the
         client. After the head went out, a failure aborts the client connection, without a
-        clean terminator so the client sees the reply is incomplete, and the response is
+        clean terminator so the client sees the reply is incomplete, and the status is
         returned all the same.
         """
         exchange = _Exchange(request, self._pool_for(upstream))
@@ -207,9 +199,12 @@ class Forwarder:
         method = request.method
         if method == "CONNECT":
             raise UpstreamFailure("error", "CONNECT is not forwarded", request_sent=False)
-        payload, length, chunked = await framed_body(request, body)
+        try:
+            payload, length, chunked = await framed_body(request, body)
+        except BodyBroken as broken:
+            raise _body_failure(broken, request_sent=False) from None
         limit = self.max_body_bytes
-        # read() returns the body framed_body already read and cached: no wait.
+        # read() returns the body framed_body already read and kept: no wait.
         if (
             chunked
             and payload is not None
@@ -225,7 +220,7 @@ class Forwarder:
         try:
             head = worker_request_head(
                 method,
-                request_target(request),
+                request.target,
                 request.headers.items(),
                 worker_host=exchange.pool.address.host_header,
                 client_ip=request.remote,
@@ -233,6 +228,7 @@ class Forwarder:
                 extra=extra,
                 content_length=length,
                 chunked=chunked,
+                authority=request.authority,
             )
         except ValueError as exc:
             raise UpstreamFailure(
@@ -252,6 +248,8 @@ class Forwarder:
         except (OSError, PoolClosed) as exc:
             raise connect_failure(exc, timeouts, request_sent=False) from exc
         exchange.conn = conn
+        # A client that leaves while the worker works wakes the wait for its reply at once.
+        exchange.request.on_client_lost = conn.interrupt
         if payload is None:
             self._start_upload(exchange, conn, head)
             failure = await self._reply_head(exchange, conn)
@@ -289,7 +287,8 @@ class Forwarder:
         )
 
     async def _upload(self, exchange: _Exchange, conn: WorkerConnection) -> None:
-        content = exchange.request.content
+        content = exchange.request.body
+        assert content is not None
         chunked = exchange.chunked
         loop = self._loop
         assert loop is not None
@@ -298,10 +297,10 @@ class Forwarder:
         sent = 0
         while True:
             try:
-                # readany hands over what the socket delivered, without joining chunks.
+                # readany hands over what arrived since the last call, in one piece.
                 chunk = await content.readany()
-            except Exception:
-                exchange.client_broke = True
+            except BodyBroken as broken:
+                exchange.body_broke = broken
                 conn.interrupt()
                 return
             if conn.closed:
@@ -337,8 +336,10 @@ class Forwarder:
         while not reply.head_done:
             if exchange.too_large:
                 return UpstreamFailure("too_large", "the request body is over the limit")
-            if exchange.client_broke:
-                return UpstreamFailure("error", CLIENT_BROKE)
+            if exchange.body_broke is not None:
+                return _body_failure(exchange.body_broke, request_sent=True)
+            if exchange.request.client.client_gone:
+                return UpstreamFailure("client_left", CLIENT_GONE)
             if reply.broken is not None:
                 return UpstreamFailure("error", reply.broken)
             deadline = exchange.deadline
@@ -350,7 +351,7 @@ class Forwarder:
 
     async def _relay(
         self, exchange: _Exchange, public_base: str | None, observer: ReplyObserver | None
-    ) -> web.StreamResponse:
+    ) -> int:
         conn = exchange.conn
         assert conn is not None
         reply = conn.reply
@@ -361,8 +362,9 @@ class Forwarder:
             private_origin=exchange.pool.address.private_origin,
             public_base=public_base,
         )
-        response = RelayedResponse(status=reply.status, reason=reply.reason, headers=headers)
+        status, reason = reply.status, reply.reason
         request = exchange.request
+        client = request.client
         idle_s = self._timeouts.stream_idle_s
         length = reply.content_length
         if reply.complete or (length is not None and length <= WHOLE_BODY_MAX):
@@ -370,20 +372,20 @@ class Forwarder:
             body = conn.take_body()
             if why is None:
                 exchange.settle(clean=True)  # before the client write: the reply is all in
-                await send_whole(request, response, body)
+                client.reply_whole(request, status, reason, headers.items(), body)
             else:
                 exchange.settle(clean=False)
-                await send_cut(request, response, body, why, idle_s)
-            return response
-        why = await stream_reply(request, response, conn, idle_s)
+                send_cut(request, (status, reason, headers.items()), body, why, idle_s)
+            return status
+        why = await stream_reply(request, (status, reason, headers.items()), conn, idle_s)
         if why is None:
             exchange.settle(clean=True)
-            await finish_stream(response)
+            client.reply_end()
         else:
             exchange.settle(clean=False)
             log.info("reply to %s %s aborted: %s", request.method, request.path, why)
-            abort_client(request, idle_s)
-        return response
+            client.reply_abort(idle_s)
+        return status
 
     async def _whole_reply(self, conn: WorkerConnection) -> str | None:
         """Reads a reply known to be small to its end; None then, else why it stopped."""
@@ -415,6 +417,13 @@ class Forwarder:
                 return  # what was read is relayed; the relay meets the same stall
         if reply.complete and reply.buffered <= wanted:
             observer.body(reply.peek_body())
+
+
+def _body_failure(broken: BodyBroken, *, request_sent: bool) -> UpstreamFailure:
+    """The failure a broken client body becomes: 400 when malformed, else the client left."""
+    if broken.malformed:
+        return UpstreamFailure("bad_body", broken.reason, request_sent=request_sent)
+    return UpstreamFailure("client_left", broken.reason, request_sent=request_sent)
 
 
 def _stale(conn: WorkerConnection, method: str) -> bool:

@@ -13,12 +13,11 @@ from __future__ import annotations
 import errno
 import os
 
-from aiohttp import web
-
+from router.edge_request import PublicRequest
 from router.forward import ForwardTimeouts, UpstreamFailure
 from router.relay_pool import PoolClosed
 
-__all__ = ["WHOLE_BODY_MAX", "connect_failure", "framed_body", "request_target"]
+__all__ = ["WHOLE_BODY_MAX", "connect_failure", "framed_body"]
 
 # A request body at most this large that has fully arrived goes out with its head in one
 # write; anything else streams. A reply body this large (known length) is read whole and
@@ -28,25 +27,27 @@ _REFUSED_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ENOENT})  # ENOENT: no so
 
 
 async def framed_body(
-    request: web.BaseRequest, body: bytes | None
+    request: PublicRequest, body: bytes | None
 ) -> tuple[bytes | None, int | None, bool]:
     """(payload, content_length, chunked) for the worker's request.
 
     The payload is the body framed for the worker when it is all here and small (None:
     it streams). A body always goes with explicit framing: the client's Content-Length
     (the length the caller read), or chunked when the client sent chunked, so no header
-    rule can leave a body unframed.
+    rule can leave a body unframed. Raises BodyBroken when the body arrived malformed.
     """
     if body is not None:
         return body, len(body), False
-    if not request.body_exists:
+    stream = request.body
+    if stream is None:
         return b"", None, False  # the client's own `Content-Length: 0`, if any, stays
-    chunked = "Transfer-Encoding" in request.headers
-    content = request.content
-    if not content.is_eof() or content.total_bytes > WHOLE_BODY_MAX:
+    chunked = request.chunked
+    if stream.broken is not None:
+        raise stream.broken
+    if not stream.complete or stream.received > WHOLE_BODY_MAX:
         return None, None if chunked else request.content_length, chunked
-    # The parser has fed the whole body already, so this does not wait. read() keeps what
-    # it read: a request tried again on another worker (connect refused) sends it again.
+    # The whole body is here, so this does not wait. read() keeps what it read: a
+    # request tried again on another worker (connect refused) sends it again.
     data = await request.read()
     if not chunked:
         return data, len(data), False
@@ -73,9 +74,3 @@ def connect_failure(
     if code in _REFUSED_ERRNOS:
         return UpstreamFailure("refused", detail, request_sent=request_sent)
     return UpstreamFailure("error", detail, request_sent=request_sent)
-
-
-def request_target(request: web.BaseRequest) -> str:
-    """The request target as the client wrote it (origin form), without re-quoting."""
-    raw = request.raw_path
-    return raw if raw.startswith("/") else request.rel_url.raw_path_qs

@@ -114,11 +114,13 @@ def worker_request_head(
     extra: Mapping[str, str] = _NO_HEADERS,
     content_length: int | None = None,
     chunked: bool = False,
+    authority: str | None = None,
 ) -> bytes:
     """The request head a worker receives, as bytes: `method target HTTP/1.1`, the header
     section of `router.forward.request_headers_for_worker` (same rules, same order), and
     the body's framing: `content_length` replaces the client's Content-Length where it
     stood (or is added last), `chunked` adds `Transfer-Encoding: chunked` last.
+    `authority`: an absolute-form target's, which stands in for the client's Host.
 
     Built in one pass straight into lines: 4.4 µs for a typical tool call against 9.0 µs
     for the header multidict then its serialization. Header text is encoded back to the
@@ -150,6 +152,8 @@ def worker_request_head(
                 drop_length = True
                 continue
         lines.append(f"{name}: {value}")
+    if authority is not None:
+        original_host = authority
     if original_host is not None:
         lines.append(f"X-Forwarded-Host: {original_host}")
     if client_ip:

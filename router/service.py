@@ -26,7 +26,7 @@ from router.config import Config, ConfigError, load_config
 from router.control import ControlPolicy, ControlSession
 from router.control_server import ControlServer
 from router.core import CoreSettings, RouterCore
-from router.edge import EdgeServer
+from router.edge import EdgeLimits, EdgeServer
 from router.health import HealthProber, probe_connect
 from router.journal import JournalFile, replay
 from router.logs import setup_logging
@@ -39,6 +39,7 @@ from router.workers import Worker, WorkerOrigin, WorkerState
 
 log = logging.getLogger("episode_router")
 
+PUBLIC_BACKLOG = 1024  # pending connections on the public port (asyncio's default: 100)
 TICK_INTERVAL_S = 0.25  # lease, grace and recovery deadlines are checked this often
 
 
@@ -82,6 +83,7 @@ class RouterService:
             check_worker=self.check_worker,
             max_body_bytes=config.limits.max_body_bytes,
             metrics=self.metrics,
+            access_log=config.log.access,
         )
         self.prober = HealthProber(
             self.core,
@@ -92,7 +94,7 @@ class RouterService:
         )
         self.spawner: Spawner | None = None
         self.journal: JournalFile | None = None
-        self._public: web.BaseRunner | None = None
+        self._public: asyncio.Server | None = None
         self._edge: EdgeServer | None = None
         self._admin: web.BaseRunner | None = None
         self._tasks: set[asyncio.Task[object]] = set()
@@ -143,7 +145,7 @@ class RouterService:
         if config.spawn is not None:
             await self._start_spawner()
         self._public = await self._serve_public()
-        self.public_port = _bound_port(self._public)
+        self.public_port = int(self._public.sockets[0].getsockname()[1])
         self._admin = await self._listen(
             admin_application(self), config.admin.host, config.admin.port
         )
@@ -189,7 +191,9 @@ class RouterService:
         """Stop accepting, let in-flight requests finish (up to the grace), then close."""
         self.handler.shutting_down = True
         if self._public is not None:
-            await self._public.cleanup()
+            self._public.close()  # no new connections
+            assert self._edge is not None
+            await self._edge.shutdown(self.config.timeouts.shutdown_grace_s)
         if self.spawner is not None:
             await self.spawner.stop()  # while the control socket is open: they say bye
         for task in list(self._tasks):
@@ -204,14 +208,18 @@ class RouterService:
             await self._admin.cleanup()
         log.info("router stopped")
 
-    async def _serve_public(self) -> web.BaseRunner:
-        """The public listener: the low-level edge server, every request to one handler."""
+    async def _serve_public(self) -> asyncio.Server:
+        """The public listener: the edge server, every request to one handler."""
         config = self.config
-        self._edge = EdgeServer(self.handler.handle, **edge_limits(config))
-        runner = web.ServerRunner(
-            self._edge, shutdown_timeout=config.timeouts.shutdown_grace_s, handle_signals=False
+        loop = asyncio.get_running_loop()
+        self._edge = EdgeServer(self.handler.handle, edge_limits(config), loop)
+        return await loop.create_server(
+            self._edge,
+            config.listen.host,
+            config.listen.port,
+            reuse_address=True,
+            backlog=PUBLIC_BACKLOG,
         )
-        return await self._start_site(runner, config.listen.host, config.listen.port)
 
     async def _listen(self, app: web.Application, host: str, port: int) -> web.BaseRunner:
         runner = web.AppRunner(
@@ -316,11 +324,12 @@ class RouterService:
         self.core.claims.max_tombstones = target.claims.max_tombstones
         self.handler.sessions = reader
         self.handler.max_body_bytes = target.limits.max_body_bytes
+        self.handler.access_log = target.log.access
         self.forwarder.max_body_bytes = target.limits.max_body_bytes
         self.control.policy = self._control_policy(target)
         self.forwarder.set_timeouts(forward_timeouts(target))
         if self._edge is not None:
-            self._edge.set_limits(**edge_limits(target))
+            self._edge.set_limits(edge_limits(target))
         self.prober.path = target.health.path
         self.prober.interval_s = target.health.interval_s
         self.prober.timeout_s = target.health.timeout_s
@@ -390,17 +399,16 @@ def forward_timeouts(config: Config) -> ForwardTimeouts:
     )
 
 
-def edge_limits(config: Config) -> dict[str, Any]:
-    """The public server's per-connection settings."""
+def edge_limits(config: Config) -> EdgeLimits:
+    """The public server's per-connection bounds."""
     limits = config.limits
-    return {
-        "header_timeout_s": limits.header_timeout_s,
-        "max_line_size": limits.max_line_bytes,
-        "max_field_size": limits.max_header_bytes,
-        "max_headers": limits.max_headers,
-        "keepalive_timeout": limits.idle_timeout_s,
-        "access_log": log if config.log.access else None,
-    }
+    return EdgeLimits(
+        header_timeout_s=limits.header_timeout_s,
+        idle_timeout_s=limits.idle_timeout_s,
+        max_line_bytes=limits.max_line_bytes,
+        max_header_bytes=limits.max_header_bytes,
+        max_headers=limits.max_headers,
+    )
 
 
 def _reload_on_signal(service: RouterService) -> None:

@@ -9,11 +9,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from aiohttp import http_exceptions
 from router_fixtures import RawHttp, Rig, open_rig, router_config
 
 from router.config import LimitsConfig
-from router.edge import head_error_answer
+from router.edge_wire import HeadRefusal, head_refusal_answer
 
 
 @pytest.fixture
@@ -26,21 +25,28 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
 
 
 @pytest.mark.parametrize(
-    ("exc", "code"),
+    ("refusal", "error", "code"),
     [
-        (http_exceptions.LineTooLong(b"/x...", 8190), "uri_too_long"),
-        (http_exceptions.LineTooLong(b"X-Big: ...", 16384), "headers_too_large"),
-        (http_exceptions.BadHttpMessage("Too many headers received"), "headers_too_large"),
-        (http_exceptions.BadHttpMessage("Content-Length can't be present with TE"), "bad_request"),
-        (http_exceptions.BadStatusLine(b"GARBAGE"), "bad_request"),
-        (None, "bad_request"),
+        (HeadRefusal.LINE_TOO_LONG, "", "uri_too_long"),
+        (HeadRefusal.FIELD_TOO_LONG, "", "headers_too_large"),
+        (HeadRefusal.TOO_MANY_HEADERS, "", "headers_too_large"),
+        (HeadRefusal.MALFORMED, "Duplicate Content-Length", "bad_request"),
+        (HeadRefusal.MALFORMED, "", "bad_request"),
     ],
 )
-def test_a_refused_head_gets_the_answer_for_its_fault(exc: BaseException | None, code: str) -> None:
-    answer = head_error_answer(exc, max_line_size=8190)
+def test_a_refused_head_gets_the_answer_for_its_fault(
+    refusal: HeadRefusal, error: str, code: str
+) -> None:
+    answer = head_refusal_answer(refusal, error)
     assert answer.code == code
     assert answer.session is None
     assert answer.detail.endswith(".")
+    assert error in answer.detail
+
+
+def test_a_parser_error_is_cut_in_the_answer() -> None:
+    answer = head_refusal_answer(HeadRefusal.MALFORMED, "x" * 500)
+    assert len(answer.detail) < 200
 
 
 # --- the head timeout -------------------------------------------------------------------------

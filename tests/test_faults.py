@@ -419,14 +419,6 @@ async def test_an_answer_to_a_request_with_an_unread_body_closes_without_100_con
 # --- request bodies: chunk framing after the head, trailers, stalls ---------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="A malformed chunk that arrives after the head was forwarded is never noticed: "
-    "aiohttp's C parser (HttpParser.feed_data in _http_parser.pyx) drops the open body "
-    "stream (self._payload = None) and raises, and RequestHandler.data_received only queues "
-    "the error as a next message, so the upload waits in readany() until first_byte_s and "
-    "the client gets 504 upstream_timeout, blaming the worker, instead of 400 bad_request",
-)
 async def test_a_malformed_chunk_after_the_head_was_forwarded_is_400_and_closed(
     rig: Rig, tmp_path: Path
 ) -> None:
@@ -470,13 +462,6 @@ async def test_a_trailer_never_reaches_the_worker_as_a_header(rig: Rig) -> None:
     assert b"x-injected" not in upload.head.lower()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="aiohttp's C request parser (_http_parser.pyx) leaves the last trailer field of a "
-    "chunked body pending when the message completes, and cb_on_message_begin does not clear "
-    "it: it is added to the headers of the next request on the connection, so a trailer "
-    "becomes a header the worker sees (the pure-Python parser does not do this)",
-)
 async def test_a_trailer_never_becomes_a_header_of_the_next_pipelined_request(rig: Rig) -> None:
     router = await rig.start_router()
     worker = await ScriptedWorker("w0").start(rig)
@@ -755,13 +740,6 @@ async def _until_free(rig: Rig, worker_id: str) -> None:
     await wait_until(free, f"{worker_id}'s in-flight slot to be free", GAUGE_BACK_S)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="A client that leaves while the router waits for the reply head is not noticed: "
-    "_ClientWatch in router/forward.py watches only the reply body, so the request to the "
-    "worker is not cancelled and the in-flight slot is held until the worker answers or "
-    "first_byte_s (300 s by default) passes",
-)
 async def test_a_client_that_leaves_before_the_reply_head_frees_the_slot_within_a_second(
     rig: Rig,
 ) -> None:
@@ -867,13 +845,6 @@ async def test_an_absolute_form_target_reaches_the_worker_as_its_path_and_query(
     assert arrived.values("host") == [f"127.0.0.1:{worker.port}"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="X-Forwarded-Host is taken from the client's Host header even for an absolute-form "
-    "target, whose authority RFC 9112 §3.2.2 says replaces Host: request_headers_for_worker "
-    "in router/forward.py should use the target's authority (request.url.host and port) "
-    "when the raw target is absolute",
-)
 async def test_an_absolute_form_targets_authority_is_the_forwarded_host(rig: Rig) -> None:
     router = await rig.start_router()
     worker = await ScriptedWorker("w0").start(rig)

@@ -1,9 +1,10 @@
 """The forwarding path between a real router app and real workers.
 
-The router is a tiny aiohttp app whose handler calls `Forwarder.forward` to a fixed
-upstream. Workers are aiohttp apps, or `RawWorker` (scripted bytes) where the reply's
-framing is the point, on loopback and on Unix sockets under tmp_path. Clients are aiohttp
-clients, or raw sockets where the request's framing or the reply's exact bytes matter.
+The router is the router's own public server (router.edge) with a handler that calls
+`Forwarder.forward` to a fixed upstream. Workers are aiohttp apps, or `RawWorker`
+(scripted bytes) where the reply's framing is the point, on loopback and on Unix sockets
+under tmp_path. Clients are aiohttp clients, or raw sockets where the request's framing
+or the reply's exact bytes matter.
 The header rules are also tested as pure functions, with no event loop.
 
 Every test that forwards runs against both forwarders with the same interface: the one
@@ -29,6 +30,9 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from router import relay
+from router.answers import Answer
+from router.edge import EdgeLimits, EdgeServer
+from router.edge_request import PublicRequest
 from router.forward import (
     ForwardTimeouts,
     Upstream,
@@ -126,14 +130,24 @@ class Router:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: PublicRequest) -> None:
         try:
-            return await self.forwarder.forward(
+            await self.forwarder.forward(
                 request, self.upstream, extra_headers=BOOT, public_base=PUBLIC
             )
         except UpstreamFailure as failure:
             self.failures.append(failure)
-            return web.json_response({"kind": failure.kind}, status=502)
+            request.client.answer(request, Answer("upstream_error", failure.kind))
+
+
+async def serve_edge(stack: Rig, handler: Callable[[PublicRequest], Awaitable[None]]) -> int:
+    """Serves `handler` on the router's public server, on a loopback port (returned)."""
+    loop = asyncio.get_running_loop()
+    edge = EdgeServer(handler, EdgeLimits(), loop)
+    server = await loop.create_server(edge, "127.0.0.1", 0)
+    stack.push_async_callback(edge.shutdown, 0.5)
+    stack.callback(server.close)
+    return int(server.sockets[0].getsockname()[1])
 
 
 async def start_router(
@@ -142,13 +156,10 @@ async def start_router(
     *,
     timeouts: ForwardTimeouts = TIMEOUTS,
     pool_size: int = 256,
-    handler_cancellation: bool = False,
 ) -> Router:
     forwarder = stack.forwarder(timeouts, pool_size)
     router = Router(upstream, forwarder)
-    router.port = await serve(
-        stack, worker_app(router.handle), handler_cancellation=handler_cancellation
-    )
+    router.port = await serve_edge(stack, router.handle)
     return router
 
 
@@ -851,10 +862,7 @@ async def test_client_leaving_mid_stream_releases_the_worker(stack: Rig) -> None
     await asyncio.wait_for(worker_ended.wait(), 1.0)
 
 
-@pytest.mark.parametrize("handler_cancellation", [False, True])
-async def test_client_leaving_an_idle_stream_releases_the_worker(
-    stack: Rig, handler_cancellation: bool
-) -> None:
+async def test_client_leaving_an_idle_stream_releases_the_worker(stack: Rig) -> None:
     worker_cancelled = asyncio.Event()
 
     async def idle(request: web.Request) -> web.StreamResponse:
@@ -869,7 +877,7 @@ async def test_client_leaving_an_idle_stream_releases_the_worker(
         return response
 
     upstream = await serve_worker(stack, worker_app(idle), handler_cancellation=True)
-    router = await start_router(stack, upstream, handler_cancellation=handler_cancellation)
+    router = await start_router(stack, upstream)
     reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
     writer.write(b"GET /events HTTP/1.1\r\nHost: h\r\n\r\n")
     await reader.readuntil(b"data: one\n\n")
@@ -898,8 +906,8 @@ async def test_client_leaving_mid_upload_releases_the_worker(stack: Rig) -> None
     await asyncio.wait_for(worker_failed.wait(), 1.0)
     await eventually(lambda: len(router.failures) == 1)
     assert (router.failures[0].kind, router.failures[0].detail) == (
-        "error",
-        "the client's request body broke off",
+        "client_left",
+        "the client went away mid-body",
     )
 
 
@@ -1010,15 +1018,16 @@ async def test_a_forward_tried_again_after_a_refused_connect_sends_the_body_agai
     forwarder = stack.forwarder()
     failures: list[UpstreamFailure] = []
 
-    async def handle(request: web.Request) -> web.StreamResponse:
+    async def handle(request: PublicRequest) -> None:
         # What the public handler does for a sessionless request: another worker.
         try:
-            return await forwarder.forward(request, refused)
+            await forwarder.forward(request, refused)
+            return
         except UpstreamFailure as failure:
             failures.append(failure)
-        return await forwarder.forward(request, upstream)
+        await forwarder.forward(request, upstream)
 
-    port = await serve(stack, worker_app(handle))
+    port = await serve_edge(stack, handle)
     async with client.post(f"http://127.0.0.1:{port}/x", data=b"payload") as resp:
         seen = await resp.json()
     assert [(f.kind, f.request_sent) for f in failures] == [("refused", False)]
@@ -1171,10 +1180,10 @@ async def observed_router(
     forwarder = stack.forwarder()
     router = Router(upstream, forwarder)
 
-    async def handle(request: web.Request) -> web.StreamResponse:
-        return await forwarder.forward(request, upstream, observer=watcher, body=body)
+    async def handle(request: PublicRequest) -> None:
+        await forwarder.forward(request, upstream, observer=watcher, body=body)
 
-    router.port = await serve(stack, worker_app(handle))
+    router.port = await serve_edge(stack, handle)
     return router
 
 

@@ -11,8 +11,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 
 import pytest
-from aiohttp import web
 
+from router.answers import Answer
+from router.edge import EdgeLimits, EdgeServer
+from router.edge_request import PublicRequest
 from router.relay import Forwarder, ForwardTimeouts, Upstream, UpstreamFailure
 
 pytestmark = pytest.mark.timeout(30)
@@ -80,12 +82,12 @@ class Router:
         self.failures: list[UpstreamFailure] = []
         self.port = 0
 
-    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def handle(self, request: PublicRequest) -> None:
         try:
-            return await self.forwarder.forward(request, self.upstream)
+            await self.forwarder.forward(request, self.upstream)
         except UpstreamFailure as failure:
             self.failures.append(failure)
-            return web.json_response({"kind": failure.kind}, status=502)
+            request.client.answer(request, Answer("upstream_error", failure.kind))
 
 
 @pytest.fixture
@@ -98,12 +100,11 @@ async def start_router(stack: AsyncExitStack, upstream: Upstream) -> Router:
     forwarder = Forwarder(TIMEOUTS)
     stack.push_async_callback(forwarder.close)
     router = Router(forwarder, upstream)
-    runner = web.ServerRunner(web.Server(router.handle), access_log=None)
-    await runner.setup()
-    stack.push_async_callback(runner.cleanup)
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    router.port = runner.addresses[0][1]
+    edge = EdgeServer(router.handle, EdgeLimits(), asyncio.get_running_loop())
+    server = await asyncio.get_running_loop().create_server(edge, "127.0.0.1", 0)
+    stack.push_async_callback(edge.shutdown, 0.5)
+    stack.callback(server.close)
+    router.port = server.sockets[0].getsockname()[1]
     return router
 
 

@@ -1,0 +1,236 @@
+"""A client's request as the public edge parsed it: its head, and its body as it streams.
+
+This module owns what a handler sees of one request: the method, the target exactly as
+the client wrote it, the version, the headers (a case-insensitive multidict, values
+decoded as UTF-8 with surrogate escapes so the bytes can be given back exactly), the
+client's address, and `RequestBody`, the body as the connection feeds it, with flow
+control: past a high-water mark the connection stops reading until the body is taken.
+It never reads a socket itself and never writes one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from multidict import CIMultiDict
+
+if TYPE_CHECKING:
+    from router.edge import EdgeConnection
+
+__all__ = ["BodyBroken", "BodySource", "PublicRequest", "RequestBody"]
+
+# A body holds at most this much unread before its connection stops reading: a client
+# uploading faster than the worker takes it waits in its own socket buffer, not in ours.
+BODY_HIGH_WATER = 256 * 1024
+
+
+class BodyBroken(Exception):
+    """The request body cannot be had: malformed framing, or the client left mid-body.
+
+    `malformed` tells the two apart: a malformed body gets 400; a departed client, nothing.
+    """
+
+    def __init__(self, reason: str, *, malformed: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.malformed = malformed
+
+
+class BodySource(Protocol):
+    """The connection a body comes from, as the body sees it (flow control)."""
+
+    def body_backlogged(self) -> None:
+        """The body holds more than the high-water mark: stop reading."""
+
+    def body_drained(self) -> None:
+        """The body was taken: read again."""
+
+
+class RequestBody:
+    """The bytes of one request body, fed by its connection, taken by one reader."""
+
+    __slots__ = (
+        "_broken",
+        "_buffered",
+        "_chunks",
+        "_loop",
+        "_source",
+        "_throttled",
+        "_waiter",
+        "complete",
+        "received",
+    )
+
+    def __init__(self, source: BodySource, loop: asyncio.AbstractEventLoop) -> None:
+        self._source = source
+        self._loop = loop
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._broken: BodyBroken | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._throttled = False
+        self.complete = False  # every byte of the body has been fed
+        self.received = 0  # bytes fed so far
+
+    @property
+    def broken(self) -> BodyBroken | None:
+        return self._broken
+
+    def feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        self.received += len(data)
+        if self._buffered > BODY_HIGH_WATER and not self._throttled:
+            self._throttled = True
+            self._source.body_backlogged()
+        self._wake()
+
+    def feed_eof(self) -> None:
+        self.complete = True
+        self._wake()
+
+    def fail(self, reason: str, *, malformed: bool) -> None:
+        """The body will not complete; a reader waiting (or to come) gets BodyBroken."""
+        if self.complete or self._broken is not None:
+            return
+        self._broken = BodyBroken(reason, malformed=malformed)
+        self._wake()
+
+    def take(self) -> bytes:
+        """Every byte fed and not yet taken (b"" when none), without waiting."""
+        chunks = self._chunks
+        if not chunks:
+            return b""
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._chunks = []
+        self._buffered = 0
+        if self._throttled:
+            self._throttled = False
+            self._source.body_drained()
+        return data
+
+    async def readany(self) -> bytes:
+        """What has arrived and was not taken yet, waiting for some if none has; b"" at
+        the end of the body. Raises BodyBroken when it will not complete."""
+        while not self._chunks:
+            if self.complete:
+                return b""
+            if self._broken is not None:
+                raise self._broken
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self.take()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class PublicRequest:
+    """One request on the public port, from its head on.
+
+    `target` is the request target in origin form, as the client wrote it (the path and
+    query of an absolute-form target, whose authority is `authority`); `path` its path
+    part (both raw, never normalised: routes match what the worker will read). `host`
+    is the authority of an absolute-form target, else the Host header, else the
+    address the client connected to. `body` is None for
+    a request without one. `keep_alive` says whether the client allows another request
+    on the connection after this one.
+    """
+
+    __slots__ = (
+        "_whole_body",
+        "authority",
+        "body",
+        "chunked",
+        "client",
+        "content_length",
+        "expect_continue",
+        "headers",
+        "host",
+        "keep_alive",
+        "method",
+        "on_client_lost",
+        "path",
+        "remote",
+        "target",
+        "version",
+    )
+
+    scheme = "http"
+
+    def __init__(
+        self,
+        method: str,
+        target: str,
+        version: tuple[int, int],
+        headers: CIMultiDict[str],
+        *,
+        remote: str | None,
+        host: str,
+        keep_alive: bool,
+        content_length: int | None,
+        chunked: bool,
+        body: RequestBody | None,
+        client: EdgeConnection,
+        authority: str | None = None,
+    ) -> None:
+        self.method = method
+        self.target = target
+        self.path = target.partition("?")[0]
+        self.version = version
+        self.headers = headers
+        self.remote = remote
+        self.host = host
+        self.keep_alive = keep_alive
+        self.content_length = content_length
+        self.chunked = chunked
+        self.body = body
+        self.authority = authority
+        self.expect_continue = False
+        self._whole_body: bytes | None = None
+        # The connection it came on, which writes its reply (router.edge.EdgeConnection).
+        self.client = client
+        # Called once if the client connection closes while this request is handled.
+        self.on_client_lost: Callable[[], None] | None = None
+
+    @property
+    def version_11(self) -> bool:
+        """HTTP/1.1 or later: chunked replies and persistent connections by default."""
+        return self.version >= (1, 1)
+
+    @property
+    def content_type(self) -> str:
+        """The media type of the body, lowercased, without parameters ("" when none)."""
+        value = self.headers.get("Content-Type", "")
+        return value.partition(";")[0].strip().lower()
+
+    @property
+    def body_complete(self) -> bool:
+        """True when there is no body, or all of it has arrived."""
+        body = self.body
+        return body is None or body.complete
+
+    async def read(self) -> bytes:
+        """The whole body (b"" when none), waiting for all of it; kept, so a second call
+        (a request tried again on another worker) gets the same bytes. Raises BodyBroken."""
+        if self._whole_body is not None:
+            return self._whole_body
+        body = self.body
+        if body is None:
+            self._whole_body = b""
+            return b""
+        parts = []
+        while True:
+            chunk = await body.readany()
+            if not chunk:
+                break
+            parts.append(chunk)
+        self._whole_body = b"".join(parts)
+        return self._whole_body

@@ -1,0 +1,190 @@
+"""The bytes of the public side: reply heads for clients, the Date header, head refusals.
+
+This module owns the wire format the router writes to its clients: the head of a
+relayed reply (the worker's headers, the framing the client's HTTP version allows,
+`Connection` when the router closes or an HTTP/1.0 client keeps alive, Date when the
+worker sent none), the head of the router's own answers, and the answer a request head
+that the edge refuses gets (400, 414 or 431). It is pure: no sockets, no event loop.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable
+from email.utils import formatdate
+from http import HTTPStatus
+
+from router.answers import Answer
+
+__all__ = [
+    "BodyFraming",
+    "HeadRefusal",
+    "answer_head",
+    "continue_line",
+    "date_header",
+    "head_refusal_answer",
+    "reply_head",
+    "split_target",
+]
+
+_REASONS = {status.value: status.phrase for status in HTTPStatus}
+_NO_BODY_STATUSES = frozenset({204, 304})
+
+
+class BodyFraming(enum.Enum):
+    """How a reply body is delimited on the client connection."""
+
+    NONE = "none"  # no body may follow (HEAD, 1xx, 204, 304)
+    LENGTH = "length"  # Content-Length: the bytes are sent as they are
+    CHUNKED = "chunked"  # no length known, HTTP/1.1 client: chunked framing
+    CLOSE = "close"  # no length known, HTTP/1.0 client: the connection's end ends it
+
+
+class HeadRefusal(enum.Enum):
+    """Why the edge refused a request head before any handler saw it."""
+
+    MALFORMED = "malformed"
+    LINE_TOO_LONG = "line_too_long"
+    FIELD_TOO_LONG = "field_too_long"
+    TOO_MANY_HEADERS = "too_many_headers"
+
+
+def head_refusal_answer(refusal: HeadRefusal, parser_error: str = "") -> Answer:
+    """The router's answer to a request head it refused (sent with the connection closed)."""
+    if refusal is HeadRefusal.LINE_TOO_LONG:
+        return Answer("uri_too_long", "The request line is over the router's limit.")
+    if refusal is HeadRefusal.FIELD_TOO_LONG:
+        return Answer("headers_too_large", "A request header is over the router's limit.")
+    if refusal is HeadRefusal.TOO_MANY_HEADERS:
+        return Answer("headers_too_large", "The request has more headers than the router allows.")
+    text = parser_error.strip().rstrip(".")
+    detail = f"The request is malformed: {text[:120]}." if text else "The request is malformed."
+    return Answer("bad_request", detail)
+
+
+class _DateCache:
+    """The Date header's value, formatted once per second: formatdate costs ~3 µs, a
+    clock read and a compare ~0.1 µs, and every reply carries it."""
+
+    __slots__ = ("_second", "_value")
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._value = ""
+
+    def __call__(self) -> str:
+        now = time.time()
+        second = int(now)
+        if second != self._second:
+            self._second = second
+            self._value = formatdate(now, usegmt=True)
+        return self._value
+
+
+date_header = _DateCache()
+
+
+def _status_line(version_11: bool, status: int, reason: str | None) -> str:
+    phrase = reason if reason is not None else _REASONS.get(status, "")
+    return f"HTTP/1.{1 if version_11 else 0} {status} {phrase}"
+
+
+def reply_head(
+    status: int,
+    reason: str,
+    headers: Iterable[tuple[str, str]],
+    *,
+    version_11: bool,
+    head_request: bool,
+    keep_alive: bool,
+) -> tuple[bytes, BodyFraming, bool]:
+    """The head of a relayed reply for the client, how its body is framed, and whether
+    the connection stays open after it.
+
+    `headers` are the worker's, already filtered for the client (no hop-by-hop header,
+    so no Transfer-Encoding): a Content-Length there frames the body; without one the
+    body is chunked for an HTTP/1.1 client and delimited by the connection's end for an
+    HTTP/1.0 one. A HEAD reply, a 1xx, 204 or 304 has no body; a 304 and a HEAD reply
+    keep the worker's Content-Length (it describes the resource, RFC 9110 §8.6).
+    """
+    lines = [_status_line(version_11, status, reason)]
+    no_body = head_request or status in _NO_BODY_STATUSES or status < 200
+    has_length = has_date = False
+    for name, value in headers:
+        lower = name.lower()
+        if lower == "content-length":
+            if status == 204 or status < 200:
+                continue  # RFC 9110 §8.6: never in these
+            has_length = True
+        elif lower == "date":
+            has_date = True
+        lines.append(f"{name}: {value}")
+    if no_body:
+        framing = BodyFraming.NONE
+    elif has_length:
+        framing = BodyFraming.LENGTH
+    elif version_11:
+        framing = BodyFraming.CHUNKED
+        lines.append("Transfer-Encoding: chunked")
+    else:
+        framing = BodyFraming.CLOSE
+        keep_alive = False
+    if not has_date:
+        lines.append(f"Date: {date_header()}")
+    _connection_line(lines, version_11=version_11, keep_alive=keep_alive)
+    return _encode(lines), framing, keep_alive
+
+
+def answer_head(
+    status: int, headers: Iterable[tuple[str, str]], body_length: int, *, keep_alive: bool
+) -> bytes:
+    """The head of one of the router's own answers (always HTTP/1.1, always a length)."""
+    lines = [_status_line(True, status, None)]
+    lines.extend([f"{name}: {value}" for name, value in headers])
+    lines.append(f"Content-Length: {body_length}")
+    lines.append(f"Date: {date_header()}")
+    if not keep_alive:
+        lines.append("Connection: close")
+    return _encode(lines)
+
+
+def continue_line() -> bytes:
+    """The interim reply a client that sent `Expect: 100-continue` waits for."""
+    return b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def _connection_line(lines: list[str], *, version_11: bool, keep_alive: bool) -> None:
+    if not keep_alive:
+        lines.append("Connection: close")
+    elif not version_11:
+        lines.append("Connection: keep-alive")
+
+
+def _encode(lines: list[str]) -> bytes:
+    # Header text came off the wire decoded as UTF-8 with surrogate escapes (worker
+    # replies) or is the router's own ASCII: this gives back the exact bytes.
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
+
+
+def split_target(target: str) -> tuple[str, str | None]:
+    """(origin-form target, authority) of a request target as the client wrote it.
+
+    An origin-form target (`/path?query`) is kept exactly, with no authority. An
+    absolute-form one (`http://host:port/path?query`) becomes its path and query, never
+    re-quoted, and its authority, which RFC 9112 §3.2.2 says stands in for Host.
+    """
+    if target.startswith("/"):
+        return target, None
+    scheme, sep, rest = target.partition("://")
+    if not sep or not scheme:
+        return target, None
+    end = len(rest)
+    for mark in "/?":
+        found = rest.find(mark)
+        if found != -1 and found < end:
+            end = found
+    authority, path = rest[:end], rest[end:]
+    if not path.startswith("/"):
+        path = "/" + path
+    return path, authority.rpartition("@")[2] or None
