@@ -289,3 +289,83 @@ def test_readers_report_per_worker_counts() -> None:
         ("w1", "episode"): 1,
     }
     assert list(table.tombstones()) == []
+
+
+def test_counts_by_kind_add_up_plain_learned_and_linked_claims_of_one_kind() -> None:
+    table = new_table()
+    table.claim("episode", "a", "w0", 1.0)
+    table.claim("episode", "b", "w0", 1.0, learned=True)
+    table.claim("mcp", "b", "w0", 1.0, learned=True)
+    table.claim("episode", "c", "w1", 1.0, learned=True)
+    b, mcp_b = table.lookup("episode", "b"), table.lookup("mcp", "b")
+    assert b is not None and mcp_b is not None
+    b.siblings, mcp_b.siblings = (mcp_b,), (b,)
+    assert table.held_counts_by_kind() == {
+        ("w0", "episode"): 2,
+        ("w0", "mcp"): 1,
+        ("w1", "episode"): 1,
+    }
+
+
+def test_siblings_given_to_one_claim_leave_the_others_of_its_kind_alone() -> None:
+    table = new_table()
+    for key in ("a", "b"):
+        table.claim("episode", key, "w0", 1.0, learned=True)
+    table.claim("episode", "c", "w0", 1.0)
+    table.claim("mcp", "a", "w0", 1.0, learned=True)
+    a, b, c = (table.lookup("episode", key) for key in ("a", "b", "c"))
+    mcp_a = table.lookup("mcp", "a")
+    assert a is not None and b is not None and c is not None and mcp_a is not None
+
+    a.siblings = (mcp_a,)
+    assert (a.siblings, b.siblings, c.siblings, mcp_a.siblings) == ((mcp_a,), (), (), ())
+    assert (a.kind, a.learned, c.kind, c.learned) == ("episode", True, "episode", False)
+
+    table.release("episode", "a", "w0", 2.0)
+    assert (a.state, a.siblings, a.kind, a.learned) == (ClaimState.ENDED, (mcp_a,), "episode", True)
+    assert state(table) == {
+        C("a"): "ended w0 learned",
+        C("b"): "held w0 learned",
+        C("c"): "held w0",
+        C("a", "mcp"): "held w0 learned",
+    }
+
+
+def test_a_worker_releasing_most_of_its_claims_keeps_its_index_short_and_exact() -> None:
+    table = new_table()
+    keys = [("episode", f"k{i}") for i in range(200)]
+    for _, key in keys:
+        table.claim("episode", key, "w0", 1.0)
+    table.claim("episode", "other", "w1", 1.0)
+    for released, (_, key) in enumerate(keys[:190], start=1):
+        assert table.release("episode", key, "w0", 2.0) is True
+        assert table.held_count("w0") == 200 - released
+        # Ended claims are dropped from the index once they outnumber the held
+        # ones (plus a slack of 16): the index never keeps many dead records.
+        assert len(table._held_by_worker["w0"].claims) <= 2 * (200 - released) + 16
+    assert {c.key for c in table.held_by("w0")} == {f"k{i}" for i in range(190, 200)}
+    snapshot = claims_snapshot(table, keys)  # checks index, counts and lookup agree
+    assert sum(view == "held w0" for view in snapshot.values()) == 10
+
+    for _, key in keys[190:]:
+        table.release("episode", key, "w0", 3.0)
+    assert (table.held_count("w0"), table.held_by("w0"), table.held_total) == (0, frozenset(), 1)
+    assert "w0" not in table._held_by_worker
+
+
+def test_learned_claims_that_ended_otherwise_are_not_expired_again() -> None:
+    table = new_table()
+    for key in ("a", "b"):
+        table.claim("episode", key, "w0", 0.0, learned=True)
+    table.claim("episode", "c", "w1", 0.0, learned=True)
+    table.release("episode", "a", "w0", 1.0)
+    assert table.worker_exited("w0", 2.0) == 1
+    assert table.expire_idle_learned(10_000.0, idle_ttl_s=100.0) == 1
+    assert state(table) == {
+        C("a"): "ended w0 learned",
+        C("b"): "exited w0 learned",
+        C("c"): "ended w1 learned",
+    }
+    since = [c.since for c in table.tombstones()]
+    assert since == [1.0, 2.0, 10_000.0]
+    assert table.expire_idle_learned(20_000.0, idle_ttl_s=100.0) == 0
