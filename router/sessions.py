@@ -38,7 +38,7 @@ from router.formats import (
     raw_session_key,
     starlette_session_key,
 )
-from router.tokens import TokenError, TokenVerifier, parse_token
+from router.tokens import TokenCache, TokenError, TokenVerifier, parse_token
 
 
 class Headers(Protocol):
@@ -157,6 +157,12 @@ class SessionReader:
             bucket = {"body_field": self._order.body, "path": self._order.path}
             bucket.get(kind.source, self._order.head).append(kind)
         self.max_body_bytes = max((k.max_body_bytes for k in self._order.body), default=0)
+        # Episode tokens in a header: parsed once per token, then looked up (TokenCache).
+        self._token_caches = {
+            kind.name: TokenCache(kind.verifier)
+            for kind in self.kinds
+            if kind.source == "header" and kind.format == "jws"
+        }
         # Requests that cannot use a feature skip it: an episode-token-only setup
         # pays for none of seeds, bodies, paths or learning.
         self.has_seeds = any(kind.seed is not None for kind in self.kinds)
@@ -244,6 +250,9 @@ class SessionReader:
         if any(value != values[0] for value in values[1:]):
             return Answer("ambiguous_session", f"The {label} is repeated with different values.")
         try:
+            cache = self._token_caches.get(kind.name)
+            if cache is not None:
+                return SessionRef(kind.name, cache.key(values[0], now))
             return SessionRef(kind.name, session_key(kind, values[0], now))
         except TokenError as exc:
             return Answer(exc.code, exc.detail)

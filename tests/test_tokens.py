@@ -21,6 +21,7 @@ from router.tokens import (
     MAX_TOKEN_BYTES,
     EpisodeToken,
     SigningKey,
+    TokenCache,
     TokenError,
     TokenVerifier,
     episode_key,
@@ -1052,3 +1053,49 @@ def test_mint_refuses_claims_the_parser_would_refuse(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         mint("HS256", **changes)
+
+
+# --- the cache of tokens seen before ------------------------------------------------------
+
+
+def test_a_cached_token_names_the_same_key_as_a_parse() -> None:
+    cache = TokenCache(independent_verifier("HS256"))
+    token = mint("HS256", exp=int(NOW) + 60)
+    first = cache.key(token, NOW)
+    assert first == cache.key(token, NOW + 1) == parse_token(token, now=NOW).key == "ep7-a2"
+    assert len(cache) == 1
+
+
+def test_a_token_differing_only_in_its_signature_is_never_a_cache_hit() -> None:
+    cache = TokenCache(independent_verifier("HS256"))
+    token = mint("HS256")
+    cache.key(token, NOW)
+    forged = token[:-2] + ("AA" if token[-2:] != "AA" else "BB")
+    with pytest.raises(TokenError) as caught:
+        cache.key(forged, NOW)
+    assert caught.value.code == "bad_signature"
+    assert len(cache) == 1  # a refused token is not kept
+
+
+def test_a_cached_token_that_expired_is_refused_with_the_reason() -> None:
+    cache = TokenCache(None)
+    token = mint("HS256", exp=int(NOW) + 10)
+    cache.key(token, NOW)
+    with pytest.raises(TokenError) as caught:
+        cache.key(token, NOW + 10)
+    assert caught.value.code == "invalid_token"
+    assert "expired" in caught.value.detail
+    assert len(cache) == 0
+
+
+def test_the_cache_keeps_at_most_its_bound_dropping_the_oldest() -> None:
+    cache = TokenCache(None, max_entries=3)
+    tokens = [
+        mint_token(ep=f"ep{i}", att=0, nonce=new_nonce(), key=KEYS["HS256"], iat=1)
+        for i in range(5)
+    ]
+    for token in tokens:
+        cache.key(token, NOW)
+    assert len(cache) == 3
+    assert cache.key(tokens[0], NOW) == "ep0-a0"  # parsed again, and kept again
+    assert len(cache) == 3
