@@ -2,8 +2,10 @@
 
 `decode_line` turns one NDJSON line into a request or an error reply;
 `ControlSession` applies requests to the `RouterCore` on behalf of the worker
-that said hello on this connection and returns the reply for each. Neither
-reads a socket or a clock: the server in `control_server` does the I/O.
+that said hello on this connection and returns the reply for each, and
+`ControlSession.answer_claim_or_release` answers the commonest lines without
+decoding them into a dict. None of them reads a socket or a clock: the server
+in `control_server` does the I/O.
 
 Malformed input is answered, never raised: a bad line gets `bad_request`, an
 unknown op `unknown_op`, and the connection goes on.
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from router.claims import ClaimRefusal
 from router.core import RouterCore
 from router.workers import Worker, WorkerOrigin, WorkerState
 
@@ -52,9 +55,15 @@ class ControlPolicy:
     router_boot: str
 
 
+# One encoder for every reply (json.dumps with arguments builds one per call), same
+# output: 56,600 -> 63,200 pairs/s on `bench.micro --only control` with every line
+# on the general path (3 runs each).
+_JSON = json.JSONEncoder(separators=(",", ":"))
+
+
 def encode(reply: Reply) -> bytes:
     """One reply line."""
-    return json.dumps(reply, separators=(",", ":")).encode() + b"\n"
+    return _JSON.encode(reply).encode() + b"\n"
 
 
 def error_reply(request_id: object, error: str, detail: str, **extra: Any) -> Reply:
@@ -83,6 +92,30 @@ def decode_line(line: bytes) -> dict[str, Any] | Reply:
     if not isinstance(message.get("op"), str):
         return error_reply(request_id, "bad_request", "`op` must be a string.")
     return message
+
+
+# -- the fast path for claim and release -------------------------------------------
+#
+# Nearly every line on a busy connection is a claim or a release, written compactly
+# in the field order DESIGN §3 shows (op, id, key[, kind]) or in the one router.client
+# sends (op, key, kind, id). `ControlSession.answer_claim_or_release` takes those with
+# one regex match instead of json.loads and the general checks, and writes an ok reply
+# from the id's own bytes instead of json.dumps. Any other line, and any line the
+# general path would refuse before asking the core, is left to decode_line and handle.
+#
+# The regexes take only values whose JSON text is their value, so that the bytes can
+# stand for the value both ways: strings of printable ASCII without `"` or `\` (no
+# escapes; json.dumps writes them back as they are) and integers in canonical form
+# (no "-0", no leading zero, at most 18 digits: far below Python's digit limit).
+_PLAIN_CHAR = rb"[ !#-\[\]-~]"
+_ID = rb'(0|-?[1-9][0-9]{0,17}|"' + _PLAIN_CHAR + rb'*")'
+_KEY = rb'"(' + _PLAIN_CHAR + rb"{1,%d})" % MAX_KEY_CHARS + rb'"'
+_KIND = rb'"(' + _PLAIN_CHAR + rb'*)"'
+_OP = rb'\{"op":"(claim|release)",'
+_ID_FIRST = re.compile(
+    _OP + rb'"id":' + _ID + rb',"key":' + _KEY + rb'(?:,"kind":' + _KIND + rb")?\}"
+)
+_ID_LAST = re.compile(_OP + rb'"key":' + _KEY + rb',"kind":' + _KIND + rb',"id":' + _ID + rb"\}")
 
 
 def is_loopback_url(url: str) -> bool:
@@ -144,6 +177,42 @@ class ControlSession:
                 return error_reply(request_id, "no_hello", "Say hello first.")
             worker.last_heard = now
         return handler(self, request, now)
+
+    def answer_claim_or_release(self, line: bytes, now: float) -> tuple[str, str, bytes] | None:
+        """The fast path for a claim or release line (without its newline).
+
+        Returns the op, the result ("ok" or the reply's error code) and the reply
+        line, exactly as `encode(self.handle(decode_line(line), now))` would give
+        them; or None, having changed nothing, when the line is not in one of the
+        two usual shapes, or this connection holds no live lease, or the kind is not
+        configured: the caller then takes the general path.
+        """
+        # `python -m bench.micro --only control` (claim+release pairs over one
+        # pipelined connection, 2 cores, 3 runs each): 54,000-57,000 pairs/s with
+        # every line on the general path, 131,000-140,000 with this one.
+        match = _ID_FIRST.fullmatch(line)
+        if match is not None:
+            op, raw_id, raw_key, raw_kind = match.groups()
+        else:
+            match = _ID_LAST.fullmatch(line)
+            if match is None:
+                return None
+            op, raw_key, raw_kind, raw_id = match.groups()
+        worker = self.worker
+        if worker is None or worker.lease is not self or worker.state is WorkerState.EXITED:
+            return None
+        kind = "episode" if raw_kind is None else raw_kind.decode()
+        if kind not in self.core.settings.kinds:
+            return None
+        worker.last_heard = now
+        if op == b"claim":
+            refusal = self.core.claim(worker, kind, raw_key.decode(), now)
+            if refusal is None:
+                return "claim", "ok", b'{"id":' + raw_id + b',"ok":true}\n'
+            return "claim", refusal.error, encode(_refused(json.loads(raw_id), refusal))
+        if self.core.release(worker, kind, raw_key.decode(), now):
+            return "release", "ok", b'{"id":' + raw_id + b',"ok":true}\n'
+        return "release", "not_holder", encode(_not_holder(json.loads(raw_id)))
 
     def closed(self, now: float) -> Worker | None:
         """The connection went away. Returns the worker whose lease it was, now lost."""
@@ -243,10 +312,7 @@ class ControlSession:
         refusal = self.core.claim(self.worker, *parsed, now)
         if refusal is None:
             return {"id": request.get("id"), "ok": True}
-        extra = {"holder": refusal.holder} if refusal.holder is not None else {}
-        return error_reply(
-            request.get("id"), refusal.error, _REFUSAL_DETAIL[refusal.error], **extra
-        )
+        return _refused(request.get("id"), refusal)
 
     def _release(self, request: dict[str, Any], now: float) -> Reply:
         parsed = self._kind_and_key(request)
@@ -255,7 +321,7 @@ class ControlSession:
         assert self.worker is not None
         if self.core.release(self.worker, *parsed, now):
             return {"id": request.get("id"), "ok": True}
-        return error_reply(request.get("id"), "not_holder", "Another worker holds this key.")
+        return _not_holder(request.get("id"))
 
     def _sync(self, request: dict[str, Any], now: float) -> Reply:
         rid = request.get("id")
@@ -319,6 +385,16 @@ _REFUSAL_DETAIL = {
     "ended": "This key ended; a new attempt needs a new key.",
     "worker_exited": "The worker that held this key exited; a new attempt needs a new key.",
 }
+
+
+def _refused(request_id: object, refusal: ClaimRefusal) -> Reply:
+    """The reply to a claim the core refused."""
+    extra = {"holder": refusal.holder} if refusal.holder is not None else {}
+    return error_reply(request_id, refusal.error, _REFUSAL_DETAIL[refusal.error], **extra)
+
+
+def _not_holder(request_id: object) -> Reply:
+    return error_reply(request_id, "not_holder", "Another worker holds this key.")
 
 
 def _refused_entry(entry: object, error: Reply | None) -> Reply:

@@ -44,6 +44,8 @@ class JournalSink(Protocol):
     def release(self, kind: str, key: str, worker: str) -> None: ...
     def sync(self, worker: str, claims: Iterable[tuple[str, str]]) -> None: ...
     def exited(self, worker: str) -> None: ...
+    def hold(self) -> None: ...  # keep what follows until flush (one write for many changes)
+    def flush(self) -> None: ...  # write what was held; changes are written at once again
 
 
 class _NoJournal:
@@ -66,6 +68,12 @@ class _NoJournal:
         pass
 
     def exited(self, worker: str) -> None:
+        pass
+
+    def hold(self) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
 

@@ -5,10 +5,13 @@ claims is appended to the file as one JSON line, and replayed into a fresh
 `RouterCore` at start. From time to time the file is rewritten as a snapshot of
 the live state, so it stays proportional to what is held, not to history.
 
-Lines are written with one `os.write` each on an O_APPEND descriptor: the
-kernel has them as soon as the call returns, so a `kill -9` of the router loses
-nothing. There is no fsync per line: a crash of the whole machine may lose the
-last moments, and the workers' `sync` after the restart restores those claims.
+Lines are written with `os.write` on an O_APPEND descriptor: the kernel has
+them as soon as the call returns, so a `kill -9` of the router loses nothing it
+acknowledged. Each line is written at once, except between `hold` and `flush`:
+the control server holds the lines of all the requests in one read and flushes
+them in one write before it sends their replies. There is no fsync: a crash of
+the whole machine may lose the last moments, and the workers' `sync` after the
+restart restores those claims.
 
 `encode_*`, `decode_line` and `replay` are pure; `JournalFile` does the I/O.
 """
@@ -32,8 +35,14 @@ JOURNAL_VERSION = 1
 COMPACT_MIN_LINES = 10_000  # below this, rewriting costs more than it saves
 
 
+# One encoder for every line (json.dumps with arguments builds one per call), same
+# output: with state.path set, 55,600 -> 62,900 claim+release pairs/s over one
+# pipelined control connection (bench.micro's control client, 4 runs each).
+_JSON = json.JSONEncoder(separators=(",", ":"))
+
+
 def _line(record: dict[str, Any]) -> bytes:
-    return json.dumps(record, separators=(",", ":")).encode() + b"\n"
+    return _JSON.encode(record).encode() + b"\n"
 
 
 class JournalFile:
@@ -44,6 +53,7 @@ class JournalFile:
         self._clock = clock  # wall clock: tombstone ages must survive a restart
         self._fd: int | None = None
         self._lines = 0
+        self._held: list[bytes] | None = None  # lines appended since hold(), until flush()
         self.write_errors = 0
 
     # -- the sink the core calls -------------------------------------------
@@ -68,6 +78,17 @@ class JournalFile:
 
     def exited(self, worker: str) -> None:
         self._append({"op": "exited", "worker": worker})
+
+    def hold(self) -> None:
+        """Keep the lines appended from now on in memory until `flush`."""
+        if self._held is None:
+            self._held = []
+
+    def flush(self) -> None:
+        """Write the lines held since `hold` in one write, and stop holding."""
+        held, self._held = self._held, None
+        if held:
+            self._write(b"".join(held), len(held))
 
     # -- I/O -----------------------------------------------------------------
 
@@ -110,16 +131,27 @@ class JournalFile:
         if self._fd is None:
             return
         record["t"] = round(self._clock(), 3)
+        if self._held is not None:
+            self._held.append(_line(record))
+        else:
+            self._write(_line(record), 1)
+
+    def _write(self, data: bytes, lines: int) -> None:
+        """Append `data`, `lines` whole lines, to the file."""
+        if self._fd is None:
+            return
         try:
-            os.write(self._fd, _line(record))
+            written = os.write(self._fd, data)
+            while written < len(data):  # a short write only near a full disk; finish or fail
+                written += os.write(self._fd, data[written:])
         except OSError as exc:
             # A full disk must not stop routing: the workers' sync restores
-            # claims after a restart. Count it and say it once in a while.
-            self.write_errors += 1
-            if self.write_errors in (1, 10, 100, 1000):
+            # claims after a restart. Count the lines lost and say it once in a while.
+            before, self.write_errors = self.write_errors, self.write_errors + lines
+            if any(before < mark <= self.write_errors for mark in (1, 10, 100, 1000)):
                 log.error("journal write failed", extra={"error": str(exc)})
             return
-        self._lines += 1
+        self._lines += lines
 
 
 def snapshot(core: RouterCore, wall_now: float, mono_now: float) -> list[dict[str, Any]]:

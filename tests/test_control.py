@@ -7,10 +7,15 @@ Playbook steps send real lines through `decode_line`, `ControlSession.handle` an
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.configuration import set_hypothesis_home_dir
 from playbook import (
     CONFLICTS,
     Ans,
@@ -37,13 +42,17 @@ from playbook import (
 
 from router.control import (
     MAX_KEY_CHARS,
+    ControlSession,
     Peer,
     decode_line,
     encode,
     is_loopback_url,
     valid_upstream_url,
 )
-from router.core import CoreSettings
+from router.core import CoreSettings, RouterCore
+
+# Hypothesis caches what it learns of the source: not in the work tree.
+set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "episode-router-hypothesis")
 
 ROUTER = {"router": "router-boot-1"}
 SETTINGS = CoreSettings(
@@ -795,3 +804,252 @@ def test_a_rejected_hello_leaves_no_trace() -> None:
         (Route(None, None), Ans("no_worker", None, 1.0)),
     ]
     book().run(steps)
+
+
+# -- the claim/release fast path -----------------------------------------------------
+#
+# `ControlSession.answer_claim_or_release` must answer exactly as the general path
+# (decode_line, handle, encode) would, or decline having changed nothing. Each test
+# drives two cores through the same lines: one the way the server does (fast path
+# first), one through the general path only, and compares every reply and the whole
+# state after it.
+
+
+class _Side:
+    """One core and four control connections on it, a to d."""
+
+    def __init__(self) -> None:
+        self.core = RouterCore(replace(SETTINGS, recovery_window_s=0.0), 0.0)
+        self.core.tick(0.0)
+        self.sessions = {
+            conn: ControlSession(self.core, policy(), Peer(uid=None, tcp=False))
+            for conn in ("a", "b", "c", "d")
+        }
+
+    def general(self, conn: str, line: bytes, now: float) -> bytes:
+        request = decode_line(line)
+        reply = request if "ok" in request else self.sessions[conn].handle(request, now)
+        return encode(reply)
+
+    def state(self) -> tuple[object, ...]:
+        claims = [*self.core.claims.held(), *self.core.claims.tombstones()]
+        return (
+            sorted((c.kind, c.key, c.state.value, c.worker, c.since, c.last_used) for c in claims),
+            sorted((w.id, w.state.value, w.last_heard) for w in self.core.workers),
+            self.core.conflicts,
+        )
+
+
+class Twins:
+    """Two cores in the same state, answered the server's way and the general way.
+
+    w0 said hello on a and holds ep1, ended ep4; w1 said hello on b and holds ep2;
+    w2 claimed ep3 on c, then said bye; nobody said hello on d yet.
+    """
+
+    def __init__(self) -> None:
+        self.served, self.reference = _Side(), _Side()
+        setup = [
+            ("a", hello(1, "w0")),
+            ("b", hello(1, "w1")),
+            ("c", hello(1, "w2")),
+            ("a", claim(2, "ep1")),
+            ("b", claim(2, "ep2")),
+            ("c", claim(2, "ep3")),
+            ("c", {"op": "bye", "id": 3}),
+            ("a", release(3, "ep4")),
+        ]
+        for conn, message in setup:
+            line = json.dumps(message).encode()
+            for side in (self.served, self.reference):
+                assert json.loads(side.general(conn, line, 0.5))["ok"] is True
+
+    def send(self, conn: str, line: bytes, now: float = 1.0) -> tuple[str, str, bytes] | None:
+        """Both answers must be the same bytes, and both states alike after them.
+        Returns what the fast path gave (None: it declined)."""
+        fast = self.served.sessions[conn].answer_claim_or_release(line, now)
+        served = fast[2] if fast is not None else self.served.general(conn, line, now)
+        reference = self.reference.general(conn, line, now)
+        assert served == reference, line
+        assert self.served.state() == self.reference.state(), line
+        if fast is not None:
+            reply = json.loads(reference)
+            assert fast[:2] == (json.loads(line)["op"], "ok" if reply["ok"] else reply["error"])
+        return fast
+
+    def close(self, conn: str, now: float = 1.0) -> None:
+        for side in (self.served, self.reference):
+            side.sessions[conn].closed(now)
+
+    def retire(self, worker_id: str, now: float = 1.0) -> None:
+        for side in (self.served, self.reference):
+            worker = side.core.workers.get(worker_id)
+            assert worker is not None
+            side.core.retire(worker, now)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"op":"claim","id":7,"key":"ep9-a0"}',  # DESIGN's order, the default kind
+        b'{"op":"claim","id":7,"key":"ep9-a0","kind":"open"}',
+        b'{"op":"release","id":7,"key":"ep9-a0","kind":"episode"}',
+        b'{"op":"claim","key":"ep9-a0","kind":"episode","id":7}',  # router.client's order
+        b'{"op":"release","key":"ep9-a0","kind":"open","id":7}',
+        b'{"op":"claim","id":0,"key":"k"}',
+        b'{"op":"claim","id":-42,"key":"k"}',
+        b'{"op":"claim","id":999999999999999999,"key":"k"}',
+        b'{"op":"claim","id":"","key":"k"}',
+        b'{"op":"claim","id":"req/7 #a~","key":"k"}',
+        b'{"op":"claim","id":7,"key":" !#$%&()*+,-./09:;<=>?@AZ[]^_`az{|}~"}',
+        b'{"op":"claim","id":7,"key":"' + b"k" * MAX_KEY_CHARS + b'"}',
+    ],
+)
+def test_the_usual_claim_and_release_lines_take_the_fast_path(line: bytes) -> None:
+    assert Twins().send("a", line) is not None
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"op": "claim", "id": 7, "key": "ep9-a0"}',  # spaces
+        b' {"op":"claim","id":7,"key":"ep9-a0"}',
+        b'{"op":"claim","id":7,"key":"ep9-a0"}\r',
+        b'{"op":"claim","key":"ep9-a0","id":7}',  # another order
+        b'{"id":7,"op":"claim","key":"ep9-a0"}',
+        b'{"op":"claim","id":7,"key":"ep9-a0","kind":"episode","x":1}',  # one field more
+        b'{"op":"claim","id":7,"key":"ep9-a0","ok":true}',
+        b'{"op":"claim","key":"ep9-a0"}',  # no id
+        b'{"op":"claim","id":null,"key":"ep9-a0"}',
+        b'{"op":"claim","id":true,"key":"ep9-a0"}',
+        b'{"op":"claim","id":07,"key":"ep9-a0"}',  # not JSON
+        b'{"op":"claim","id":-0,"key":"ep9-a0"}',  # echoed as 0
+        b'{"op":"claim","id":7.0,"key":"ep9-a0"}',
+        b'{"op":"claim","id":1e3,"key":"ep9-a0"}',
+        b'{"op":"claim","id":1234567890123456789,"key":"ep9-a0"}',
+        b'{"op":"claim","id":"a\\"b","key":"ep9-a0"}',  # escapes
+        b'{"op":"claim","id":"\\u0041","key":"ep9-a0"}',
+        b'{"op":"claim","id":"\xc3\xa9","key":"ep9-a0"}',  # not ASCII
+        b'{"op":"claim","id":"\x7f","key":"ep9-a0"}',  # json.dumps escapes DEL
+        b'{"op":"claim","id":7,"key":"ep9\\u002da0"}',
+        b'{"op":"claim","id":7,"key":"\xc3\xa9"}',
+        b'{"op":"claim","id":7,"key":"\t"}',
+        b'{"op":"claim","id":7,"key":""}',
+        b'{"op":"claim","id":7,"key":"' + b"k" * (MAX_KEY_CHARS + 1) + b'"}',
+        b'{"op":"claim","id":7,"key":"ep9-a0","kind":"nope"}',
+        b'{"op":"claim","id":7,"key":"ep9-a0","kind":""}',
+        b'{"op":"claim","id":7,"key":"ep9-a0","kind":"episod\\u0065"}',
+        b'{"op":"claim","id":7,"key":"ep9-a0","kind":null}',
+        b'{"op":"claim","key":"ep9-a0","kind":"nope","id":7}',
+        b'{"op":"Claim","id":7,"key":"ep9-a0"}',
+        b'{"op":"ping","id":7}',
+        b'{"op":"claim","id":7,"key":"ep9-a0"}{"op":"claim","id":8,"key":"x"}',
+        b'{"op":"claim","id":7,"key":ep9}',
+    ],
+)
+def test_other_lines_are_left_to_the_general_path(line: bytes) -> None:
+    assert Twins().send("a", line) is None
+
+
+def test_refusals_on_the_fast_path_are_the_general_paths() -> None:
+    twins = Twins()
+    results = [
+        twins.send(conn, line)
+        for conn, line in [
+            ("b", b'{"op":"claim","id":4,"key":"ep1"}'),
+            ("b", b'{"op":"release","key":"ep1","kind":"episode","id":"r"}'),
+            ("a", b'{"op":"claim","id":5,"key":"ep4"}'),
+            ("a", b'{"op":"claim","id":6,"key":"ep3"}'),
+            ("a", b'{"op":"release","id":7,"key":"ep3"}'),
+            ("a", b'{"op":"release","id":8,"key":"never"}'),
+            ("a", b'{"op":"claim","id":9,"key":"ep1"}'),
+        ]
+    ]
+    assert [r[:2] if r is not None else None for r in results] == [
+        ("claim", "conflict"),
+        ("release", "not_holder"),
+        ("claim", "ended"),
+        ("claim", "worker_exited"),
+        ("release", "ok"),
+        ("release", "ok"),
+        ("claim", "ok"),
+    ]
+    assert twins.served.core.conflicts == 1
+
+
+def test_without_a_live_lease_the_fast_path_declines() -> None:
+    twins = Twins()
+    line = b'{"op":"claim","id":4,"key":"ep9"}'
+    assert twins.send("d", line) is None  # never said hello: no_hello
+    assert twins.send("c", line) is None  # said bye
+    twins.close("a")
+    assert twins.send("a", line) is None  # the connection closed: its lease is gone
+
+
+def test_a_lease_taken_over_or_a_retired_worker_declines_the_fast_path() -> None:
+    twins = Twins()
+    line = b'{"op":"claim","id":4,"key":"ep9"}'
+    assert twins.send("d", json.dumps(hello(4, "w0")).encode()) is None  # same boot: d takes over
+    assert twins.send("a", line) is None  # no_hello: a no longer holds the lease
+    assert twins.send("d", line) is not None
+    twins.retire("w1")  # e.g. its spawned process exited; the connection is still open
+    assert twins.send("b", line) is None
+
+
+_PLAIN_TEXT = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=8)
+_ID_SLOT = "\x00id\x00"  # stands for the id, then swapped for a raw JSON token
+_RAW_IDS = [b"-0", b"00", b"07", b"1.0", b"1e3", b"-", b'"\x7f"', b'"\\u0041"', b'"a\\"b"']
+
+
+@st.composite
+def near_fast_lines(draw: st.DrawFn) -> bytes:
+    """Claim and release lines in and around the shapes the fast path takes."""
+    fields: dict[str, Any] = {"op": draw(st.sampled_from(["claim", "release", "ping", "Claim"]))}
+    raw_id = draw(st.none() | st.sampled_from(_RAW_IDS))
+    request_id = (
+        _ID_SLOT
+        if raw_id is not None
+        else draw(st.integers(-(2**70), 2**70) | _PLAIN_TEXT | st.text(max_size=4) | st.none())
+    )
+    key = draw(st.sampled_from(["ep1", "ep2", "ep3", "ep4", "new"]) | _PLAIN_TEXT | st.text())
+    kind = draw(st.sampled_from([None, "episode", "open", "nope", ""]))
+    if draw(st.booleans()):
+        fields.update(id=request_id, key=key)
+        if kind is not None:
+            fields["kind"] = kind
+    else:
+        fields.update(key=key, kind=kind or "episode", id=request_id)
+    compact = draw(st.booleans())
+    line = json.dumps(
+        fields,
+        ensure_ascii=draw(st.booleans()),
+        separators=(",", ":") if compact else None,
+    ).encode()
+    if raw_id is not None:
+        line = line.replace(json.dumps(_ID_SLOT).encode(), raw_id)
+    if draw(st.integers(0, 3)) == 0:  # now and then, one byte changed or lost
+        at = draw(st.integers(0, len(line) - 1))
+        line = line[:at] + draw(st.binary(max_size=1)) + line[at + 1 :]
+    return line
+
+
+# Besides lines: d takes over w0's lease (same boot), w1 is retired, a closes.
+_EVENTS = st.sampled_from(["takeover", "retire", "close"])
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.lists(st.tuples(st.sampled_from("abcd"), near_fast_lines() | _EVENTS), max_size=20))
+def test_the_fast_path_answers_any_line_as_the_general_path_does(
+    script: list[tuple[str, bytes | str]],
+) -> None:
+    twins = Twins()
+    for step, (conn, line) in enumerate(script):
+        now = 1.0 + step
+        if line == "takeover":
+            twins.send("d", json.dumps(hello(step, "w0")).encode(), now)
+        elif line == "retire":
+            twins.retire("w1", now)
+        elif line == "close":
+            twins.close("a", now)
+        elif isinstance(line, bytes) and line.strip():
+            twins.send(conn, line, now)

@@ -13,7 +13,7 @@ import os
 import socket
 import stat
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +24,8 @@ from router_fixtures import MiB, RawLease, wait_until
 from router.control import ControlPolicy
 from router.control_server import ControlServer, ControlSocketInUse
 from router.core import CoreSettings, RouterCore
+from router.journal import JournalFile
+from router.metrics import RouterMetrics
 from router.workers import Worker
 
 pytestmark = pytest.mark.timeout(30)
@@ -56,11 +58,19 @@ class Served:
 
 
 @asynccontextmanager
-async def served(address: str, policy: ControlPolicy | None = None) -> AsyncIterator[Served]:
-    """A control server for a fresh core on `address` (`tcp://…:0` picks a port)."""
-    core = RouterCore(CoreSettings(kinds={"episode": False}), time.monotonic())
+async def served(
+    address: str,
+    policy: ControlPolicy | None = None,
+    *,
+    core: RouterCore | None = None,
+    metrics: RouterMetrics | None = None,
+) -> AsyncIterator[Served]:
+    """A control server for `core` (a fresh one by default) on `address`
+    (`tcp://…:0` picks a port)."""
+    if core is None:
+        core = RouterCore(CoreSettings(kinds={"episode": False}), time.monotonic())
     lost: list[Worker] = []
-    server = ControlServer(core, policy or _policy(), on_lease_lost=lost.append)
+    server = ControlServer(core, policy or _policy(), on_lease_lost=lost.append, metrics=metrics)
     await server.start(address)
     if address.startswith("tcp://"):
         address = f"tcp://127.0.0.1:{server.tcp_port}"
@@ -241,6 +251,157 @@ async def test_a_thousand_pipelined_claims_are_answered_in_order(tmp_path: Path)
         assert replies == [{"id": i, "ok": True} for i in range(1000)]
         assert control.core.claims.held_count("w0") == 1000
         lease.abort()
+
+
+async def test_pipelined_lines_of_every_shape_are_answered_in_order(tmp_path: Path) -> None:
+    async with served(_unix(tmp_path)) as control:
+        lease = await RawLease.open(control.address)
+        assert (await _hello(lease))["ok"] is True
+        lines = [
+            b'{"op":"claim","id":2,"key":"ep1"}',  # the fast path, in DESIGN's order
+            b'{"op":"claim","key":"ep2","kind":"episode","id":"c"}',  # in router.client's
+            b'{"op": "claim", "id": 4, "key": "ep3"}',  # the general path
+            b"",
+            b"not json",
+            b'{"op":"release","id":5,"key":"ep1"}',
+            b'{"op":"claim","id":6,"key":"ep1"}',
+            b'{"op":"ping","id":7}',
+            b'{"op":"claim","id":8,"key":"ep9","kind":"nope"}',
+            b'{"op":"release","key":"ep2","kind":"episode","id":9}',
+        ]
+        lease.writer.write(b"\n".join(lines) + b"\n")
+
+        replies = [await lease.read_reply() for _ in range(len(lines) - 1)]
+
+        assert [(r["id"], r["ok"], r.get("error")) for r in replies] == [
+            (2, True, None),
+            ("c", True, None),
+            (4, True, None),
+            (None, False, "bad_request"),
+            (5, True, None),
+            (6, False, "ended"),
+            (7, True, None),
+            (8, False, "unknown_kind"),
+            (9, True, None),
+        ]
+        assert {c.key for c in control.core.claims.held()} == {"ep3"}
+        lease.abort()
+
+
+def _claims_and_releases(pairs: int) -> bytes:
+    return b"".join(
+        b'{"op":"claim","id":%d,"key":"ep%d"}\n{"op":"release","id":%d,"key":"ep%d"}\n'
+        % (2 * i + 2, i, 2 * i + 3, i)
+        for i in range(pairs)
+    )
+
+
+async def test_pipelined_claims_are_journaled_by_the_time_they_are_answered(
+    tmp_path: Path,
+) -> None:
+    core = RouterCore(CoreSettings(kinds={"episode": False}), time.monotonic())
+    journal = JournalFile(str(tmp_path / "state.journal"), clock=time.time)
+    journal.compact(core, time.monotonic())
+    core.journal = journal
+    async with served(_unix(tmp_path), core=core) as control:
+        lease = await RawLease.open(control.address)
+        assert (await _hello(lease))["ok"] is True
+        lease.writer.write(_claims_and_releases(500))
+
+        replies = [await lease.read_reply() for _ in range(1000)]
+
+        assert all(reply["ok"] for reply in replies)
+        records = [json.loads(line) for line in (tmp_path / "state.journal").read_bytes().split()]
+        changes = [(r["op"], r["key"]) for r in records if r["op"] in ("claim", "release")]
+        assert changes == [(op, f"ep{i}") for i in range(500) for op in ("claim", "release")]
+        lease.abort()
+    journal.close()
+
+
+class HoldingJournal:
+    """A journal sink that records each change and whether it came while held."""
+
+    def __init__(self) -> None:
+        self.held = False
+        self.changes: list[tuple[str, bool]] = []
+        self.flushes = 0
+
+    def hold(self) -> None:
+        self.held = True
+
+    def flush(self) -> None:
+        self.held = False
+        self.flushes += 1
+
+    def _change(self, what: str) -> None:
+        self.changes.append((what, self.held))
+
+    def worker(self, worker: Worker) -> None:
+        self._change("worker")
+
+    def drain(self, worker: Worker) -> None:
+        self._change("drain")
+
+    def claim(self, kind: str, key: str, worker: str) -> None:
+        self._change("claim")
+
+    def learn(self, kind: str, key: str, worker: str) -> None:
+        self._change("learn")
+
+    def release(self, kind: str, key: str, worker: str) -> None:
+        self._change("release")
+
+    def sync(self, worker: str, claims: Iterable[tuple[str, str]]) -> None:
+        self._change("sync")
+
+    def exited(self, worker: str) -> None:
+        self._change("exited")
+
+
+async def test_every_change_a_read_makes_is_held_for_one_journal_write(tmp_path: Path) -> None:
+    core = RouterCore(CoreSettings(kinds={"episode": False}), time.monotonic())
+    journal = HoldingJournal()
+    core.journal = journal
+    async with served(_unix(tmp_path), core=core) as control:
+        lease = await RawLease.open(control.address)
+        assert (await _hello(lease))["ok"] is True
+        lease.writer.write(_claims_and_releases(500))
+        assert [(await lease.read_reply())["ok"] for _ in range(1000)] == [True] * 1000
+        lease.abort()
+
+    assert journal.changes == [("worker", True)] + [("claim", True), ("release", True)] * 500
+    assert not journal.held
+    assert 2 <= journal.flushes <= 1 + 1000  # one per read: the hello's, then at least one
+
+
+async def test_the_fast_path_counts_its_requests_in_the_metrics(tmp_path: Path) -> None:
+    metrics = RouterMetrics(
+        claims_by_worker_kind=dict,
+        tombstones=lambda: 0,
+        workers=list,
+        control_connections=lambda: 0,
+        recovery_remaining=lambda: None,
+    )
+    async with served(_unix(tmp_path), metrics=metrics) as control:
+        first, second = await RawLease.open(control.address), await RawLease.open(control.address)
+        assert (await _hello(first))["ok"] is True
+        assert (await second.hello("w1", "http://127.0.0.1:9002", "boot-2"))["ok"] is True
+        first.writer.write(_claims_and_releases(3))
+        assert [(await first.read_reply())["ok"] for _ in range(6)] == [True] * 6
+        first.writer.write(b'{"op":"claim","id":9,"key":"ep9"}\n')
+        assert (await first.read_reply())["ok"] is True
+        second.writer.write(b'{"op":"claim","id":2,"key":"ep9"}\n')
+        assert (await second.read_reply())["error"] == "conflict"
+        first.abort()
+        second.abort()
+
+    def count(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(f"episode_router_{name}_total", labels)
+
+    assert count("control_ops", op="claim", result="ok") == 4
+    assert count("control_ops", op="release", result="ok") == 3
+    assert count("control_ops", op="claim", result="conflict") == 1
+    assert count("claim_conflicts") == 1
 
 
 def _padded_ping(total: int) -> bytes:
