@@ -144,8 +144,7 @@ def answer_head(
     lines.extend([f"{name}: {value}" for name, value in headers])
     lines.append(f"Content-Length: {body_length}")
     lines.append(f"Date: {date_header()}")
-    if not keep_alive:
-        lines.append("Connection: close")
+    _connection_line(lines, version_11=True, keep_alive=keep_alive)
     return _encode(lines)
 
 

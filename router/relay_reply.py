@@ -55,11 +55,8 @@ async def stream_reply(
     client.reply_start(request, status, reason, headers, conn.take_body())
     if client.client_gone:
         return CLIENT_GONE
-    request.on_client_lost = conn.interrupt
-    try:
-        return await _copy_body(request, conn, idle_s)
-    finally:
-        request.on_client_lost = None
+    # The relay set request.on_client_lost to wake `conn` when it sent the request.
+    return await _copy_body(request, conn, idle_s)
 
 
 async def _copy_body(request: PublicRequest, conn: WorkerConnection, idle_s: float) -> str | None:
