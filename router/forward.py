@@ -59,6 +59,7 @@ _ROUTER_OWNED = frozenset({"host", "forwarded", "x-real-ip", "expect"})
 _ROUTER_OWNED_PREFIXES = ("x-forwarded-", "x-episode-router-")
 _REWRITTEN_REPLY_HEADERS = frozenset({"location", "content-location"})
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+_NONE_NAMED: frozenset[str] = frozenset()
 
 
 class ReplyObserver(Protocol):
@@ -198,23 +199,24 @@ def reply_headers_for_client(
     *,
     private_origin: str,
     public_base: str | None,
-) -> CIMultiDict[str]:
+) -> list[tuple[str, str]]:
     """The header section a client receives for a worker's reply (DESIGN §1, §8).
 
     Drops hop-by-hop headers and those Connection names; rewrites a Location or
     Content-Location naming `private_origin` to `public_base` when one is given.
     Everything else, repeated Set-Cookie included, passes unchanged and in order.
     """
-    items = list(worker_headers)
-    named = _connection_named(items)
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in items:
-        lower = name.lower()
+    items = worker_headers if isinstance(worker_headers, list) else list(worker_headers)
+    lowered = [name.lower() for name, _ in items]
+    # Most replies carry no Connection header: no need to read what it names.
+    named = _connection_named(items) if "connection" in lowered else _NONE_NAMED
+    out = []
+    for (name, value), lower in zip(items, lowered, strict=True):
         if _is_hop_by_hop(lower, named):
             continue
         if public_base is not None and lower in _REWRITTEN_REPLY_HEADERS:
             value = rewrite_location(value, private_origin, public_base)
-        out.add(name, value)
+        out.append((name, value))
     return out
 
 

@@ -372,12 +372,12 @@ class Forwarder:
             body = conn.take_body()
             if why is None:
                 exchange.settle(clean=True)  # before the client write: the reply is all in
-                client.reply_whole(request, status, reason, headers.items(), body)
+                client.reply_whole(request, status, reason, headers, body)
             else:
                 exchange.settle(clean=False)
-                send_cut(request, (status, reason, headers.items()), body, why, idle_s)
+                send_cut(request, (status, reason, headers), body, why, idle_s)
             return status
-        why = await stream_reply(request, (status, reason, headers.items()), conn, idle_s)
+        why = await stream_reply(request, (status, reason, headers), conn, idle_s)
         if why is None:
             exchange.settle(clean=True)
             client.reply_end()

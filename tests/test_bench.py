@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -290,6 +291,26 @@ def test_quick_micro_benchmarks_run_and_give_positive_figures(tmp_path: Path) ->
         "64 MiB request: router RSS growth",
         "64 MiB reply: router RSS growth",
     ]
+
+
+def test_the_in_process_hot_path_run_forwards_every_request_and_reports_its_cost() -> None:
+    done = _module(
+        "bench.hotpath",
+        "--requests",
+        "400",
+        "--connections",
+        "4",
+        "--runs",
+        "1",
+        timeout=QUICK_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr  # a non-200 reply fails the run
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("run 1:")]
+    found = re.fullmatch(r"run 1: direct ([\d.]+) us/request, routed ([\d.]+), .*", line)
+    assert found is not None, line
+    direct, routed = float(found[1]), float(found[2])
+    assert 0 < direct < routed, line  # routing costs more CPU than the worker alone
+    assert "(400 requests, 4 connections)" in done.stdout
 
 
 # --- full runs (EPISODE_ROUTER_BENCH=1) -------------------------------------------------------
