@@ -34,9 +34,11 @@ import unicodedata
 import zlib
 from collections.abc import Callable, Sequence
 from email.utils import mktime_tz, parsedate_tz
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final
 
 from itsdangerous import BadSignature, TimestampSigner, URLSafeSerializer
+
+from router.token_errors import RefusalCode, RefusedValue
 
 if TYPE_CHECKING:
     from router.config import SignatureConfig
@@ -59,7 +61,7 @@ MAX_KEY_CHARS: Final = 512  # the control protocol's key bound: a longer key can
 MAX_VALUE_CHARS: Final = 16384  # a signed value longer than the default header limit is not real
 MAX_PAYLOAD_BYTES: Final = 65536  # inflated itsdangerous payloads; session tokens are far smaller
 
-FormatErrorCode = Literal["invalid_token", "bad_signature"]
+FormatErrorCode = RefusalCode
 
 # Starlette: b64encode(json) "." base64url(timestamp) "." base64url(HMAC-SHA1).
 _STARLETTE: Final = re.compile(r"([A-Za-z0-9+/]+={0,2})\.([A-Za-z0-9_-]+)\.([A-Za-z0-9_-]+)")
@@ -77,7 +79,7 @@ _PATH_SEGMENT: Final = re.compile(r"(?:[A-Za-z0-9._~!$&'()*+,;=:@-]|%[0-9A-Fa-f]
 _KEY_PLACEHOLDER: Final = "{key}"
 
 
-class FormatError(Exception):
+class FormatError(RefusedValue):
     """A session value the router refuses.
 
     ``code`` is ``invalid_token`` (HTTP 401: malformed, undecodable, missing or
@@ -85,22 +87,6 @@ class FormatError(Exception):
     verify it, or it is older than the configured maximum age); ``detail`` is
     one human sentence for the answer body.
     """
-
-    code: FormatErrorCode
-    detail: str
-
-    def __init__(self, code: FormatErrorCode, detail: str) -> None:
-        super().__init__(code, detail)  # both in args, so the error pickles intact
-        self.code = code
-        self.detail = detail
-
-    def __str__(self) -> str:
-        return self.detail
-
-    @property
-    def status(self) -> int:
-        """The HTTP status of the router's answer: 401 or 403."""
-        return 401 if self.code == "invalid_token" else 403
 
 
 def _invalid(detail: str) -> FormatError:

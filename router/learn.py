@@ -24,7 +24,7 @@ from router.core import RouterCore
 from router.formats import FormatError, json_pointer, mcp_session_key, set_cookie_value
 from router.metrics import RouterMetrics
 from router.sessions import Headers, SessionKind, SessionReader, SessionRef, session_key
-from router.tokens import TokenError
+from router.token_errors import RefusedValue
 from router.workers import Worker
 
 log = logging.getLogger("episode_router.learn")
@@ -160,7 +160,7 @@ class ReplyLearner:
             return
         try:
             key = session_key(kind, value, self._wall_clock())
-        except (TokenError, FormatError) as exc:
+        except RefusedValue as exc:  # a TokenError or a FormatError
             log.warning(
                 "seed reply's session is unreadable",
                 extra={"kind": kind.name, "worker": self._worker.id, "error": exc.code},

@@ -38,7 +38,8 @@ from router.formats import (
     raw_session_key,
     starlette_session_key,
 )
-from router.tokens import TokenCache, TokenError, TokenVerifier, parse_token
+from router.token_errors import RefusedValue
+from router.tokens import TokenCache, TokenVerifier, parse_token
 
 
 class Headers(Protocol):
@@ -254,9 +255,7 @@ class SessionReader:
             if cache is not None:
                 return SessionRef(kind.name, cache.key(values[0], now))
             return SessionRef(kind.name, session_key(kind, values[0], now))
-        except TokenError as exc:
-            return Answer(exc.code, exc.detail)
-        except FormatError as exc:
+        except RefusedValue as exc:  # a TokenError or a FormatError
             return Answer(exc.code, exc.detail)
 
 

@@ -1,6 +1,7 @@
 """The error every episode-token check raises, and how a peer's value appears in its detail.
 
-This module owns `TokenError` (its code, detail sentence and HTTP status) and
+This module owns `TokenError` and its base `RefusedValue` (a code, a detail sentence
+and an HTTP status, shared with `router.formats.FormatError`), and
 `_show`, which cuts a peer's value short before it goes into a detail. Both
 the parser (`router.tokens`) and the keys (`router.token_keys`) raise it. It
 sits below both because `router.tokens` imports and re-exports the keys, so
@@ -14,21 +15,22 @@ from __future__ import annotations
 
 from typing import Literal
 
-TokenErrorCode = Literal["invalid_token", "bad_signature"]
+RefusalCode = Literal["invalid_token", "bad_signature"]
+TokenErrorCode = RefusalCode
 
 
-class TokenError(Exception):
-    """A token the router refuses.
+class RefusedValue(Exception):
+    """A token or session value the router refuses: the base of `TokenError` and
+    `router.formats.FormatError`, which share the codes, the detail and the status.
 
-    ``code`` is ``invalid_token`` (HTTP 401: malformed, wrong types, expired) or
-    ``bad_signature`` (HTTP 403: the signature or its alg fails edge verification);
+    ``code`` is ``invalid_token`` (HTTP 401) or ``bad_signature`` (HTTP 403);
     ``detail`` is one human sentence for the answer body.
     """
 
-    code: TokenErrorCode
+    code: RefusalCode
     detail: str
 
-    def __init__(self, code: TokenErrorCode, detail: str) -> None:
+    def __init__(self, code: RefusalCode, detail: str) -> None:
         super().__init__(code, detail)  # both in args, so the error pickles intact
         self.code = code
         self.detail = detail
@@ -40,6 +42,15 @@ class TokenError(Exception):
     def status(self) -> int:
         """The HTTP status of the router's answer: 401 or 403."""
         return 401 if self.code == "invalid_token" else 403
+
+
+class TokenError(RefusedValue):
+    """A token the router refuses.
+
+    ``code`` is ``invalid_token`` (HTTP 401: malformed, wrong types, expired) or
+    ``bad_signature`` (HTTP 403: the signature or its alg fails edge verification);
+    ``detail`` is one human sentence for the answer body.
+    """
 
 
 def _show(value: object) -> str:
