@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from types import MappingProxyType
+from typing import Any
 
 from router.answers import Answer
 from router.core import Forward, RouterCore
@@ -27,6 +29,7 @@ access_log = logging.getLogger("episode_router.access")
 MAX_LOGGED_PATH = 200  # a hostile client's path is cut here in the log
 
 BOOT_HEADER = "X-Episode-Router-Boot"
+_NO_EXTRA: Mapping[str, str] = MappingProxyType({})
 MAX_SESSIONLESS_TRIES = 3  # connect refused on a sessionless request: try this many workers
 # A request whose client left before its reply is counted with nginx's status for it.
 CLIENT_CLOSED_STATUS = 499
@@ -60,19 +63,93 @@ class PublicHandler:
         self._wall_clock = wall_clock
         self.shutting_down = False
 
-    async def handle(self, request: PublicRequest) -> None:
-        """Answers or forwards `request`; its reply goes out through its connection."""
-        started = time.perf_counter()
-        exchange = _Exchange(request)
+    def handle(self, request: PublicRequest) -> Coroutine[Any, Any, None] | None:
+        """Answers or forwards `request`; its reply goes out through its connection.
+
+        What can be done at once is (the edge's handler contract, `router.edge.Handler`):
+        an answer of the router's own, and a forward the relay can start without a task
+        (`Forwarder.start`), after which the relay's callback finishes the request. None
+        then, and `request.client.finished()` is called once the reply is out. Anything
+        that must wait (a body to read for its session, a new worker connection, a
+        reply to stream, a failure to look into) is returned as a coroutine to run.
+        """
+        exchange = _Exchange(request, time.perf_counter())
+        refusal = self._refuse_early(request)
+        if refusal is None:
+            reader = self.sessions
+            if reader.has_seeds:
+                exchange.seeding = reader.seeding(request.method, exchange.path)
+            found = reader.read_head(request.headers, self._wall_clock(), exchange.seeding)
+            if found is None and reader.reads_bodies and _small_json_body(request, reader):
+                return self._session_from_body(exchange)
+            decision = self._route(exchange, found)
+            if decision is not None:
+                if self._start_forward(exchange, decision):
+                    return None  # _lane_done finishes it
+                # Counted in flight now, with the decision: the next request the loop
+                # routes before this coroutine runs must see it (workers.pick).
+                first = self._try_worker(exchange, decision)
+                return self._forward_and_finish(exchange, decision, first)
+        else:
+            self._answer(exchange, refusal)
+        request.client.finished(request)
+        return None
+
+    async def _session_from_body(self, exchange: _Exchange) -> None:
         try:
-            await self._serve(exchange, started)
+            exchange.body = await exchange.request.read()
         except BodyBroken as broken:
             exchange.body_broke(broken)
-        elapsed = time.perf_counter() - started
+            self._finish(exchange)
+            return
+        found = self.sessions.read_body(exchange.body, exchange.seeding)
+        decision = self._route(exchange, found)
+        if decision is not None:
+            await self._forward_and_finish(exchange, decision)
+
+    def _route(self, exchange: _Exchange, found: SessionRef | Answer | None) -> Forward | None:
+        """Where the request goes, from the session read so far; None when the router
+        answered it itself (the answer is out and counted)."""
+        if found is None and self.sessions.reads_paths:
+            found = self.sessions.read_path(exchange.path, exchange.seeding)
+        if isinstance(found, Answer):
+            self._answer(exchange, found)
+            return None
+        exchange.found = found
+        kind, key = (found.kind, found.key) if found is not None else (None, None)
+        exchange.kind = kind
+        decision = self.core.route(kind, key, self._clock())
+        if self.metrics is not None:
+            self.metrics.decision_seconds(time.perf_counter() - exchange.started)
+        if isinstance(decision, Answer):
+            self._answer(exchange, decision)
+            return None
+        return decision
+
+    def _answer(self, exchange: _Exchange, answer: Answer) -> None:
+        exchange.answer(answer)
+        self._finish(exchange)
+
+    async def _forward_and_finish(
+        self,
+        exchange: _Exchange,
+        decision: Forward,
+        first: Awaitable[int | UpstreamFailure] | None = None,
+    ) -> None:
+        try:
+            await self._forward(exchange, decision, first)
+        except BodyBroken as broken:
+            exchange.body_broke(broken)
+        self._finish(exchange)
+
+    def _finish(self, exchange: _Exchange) -> None:
+        """Counts and logs a request the router is done with."""
+        elapsed = time.perf_counter() - exchange.started
         metrics = self.metrics
         if metrics is not None:
             metrics.request_done(exchange.kind, exchange.outcome, exchange.status, elapsed)
         if self.access_log:
+            request = exchange.request
             access_log.info(
                 "request",
                 extra={
@@ -85,37 +162,6 @@ class PublicHandler:
                     "client": request.remote,
                 },
             )
-
-    async def _serve(self, exchange: _Exchange, started: float) -> None:
-        request = exchange.request
-        refusal = self._refuse_early(request)
-        if refusal is not None:
-            return exchange.answer(refusal)
-        found = await self._read_session(exchange)
-        if isinstance(found, Answer):
-            return exchange.answer(found)
-        exchange.found = found
-        kind, key = (found.kind, found.key) if found is not None else (None, None)
-        exchange.kind = kind
-        decision = self.core.route(kind, key, self._clock())
-        if self.metrics is not None:
-            self.metrics.decision_seconds(time.perf_counter() - started)
-        if isinstance(decision, Answer):
-            return exchange.answer(decision)
-        return await self._forward(exchange, decision, sessionless=key is None)
-
-    async def _read_session(self, exchange: _Exchange) -> SessionRef | Answer | None:
-        """The session the request names, from its head, then its body, then its path."""
-        reader, request = self.sessions, exchange.request
-        if reader.has_seeds:
-            exchange.seeding = reader.seeding(request.method, exchange.path)
-        found = reader.read_head(request.headers, self._wall_clock(), exchange.seeding)
-        if found is None and reader.reads_bodies and _small_json_body(request, reader):
-            exchange.body = await request.read()
-            found = reader.read_body(exchange.body, exchange.seeding)
-        if found is None and reader.reads_paths:
-            found = reader.read_path(exchange.path, exchange.seeding)
-        return found
 
     def _refuse_early(self, request: PublicRequest) -> Answer | None:
         if self.shutting_down:
@@ -134,8 +180,16 @@ class PublicHandler:
             return Answer("payload_too_large", "The request body is over the router's limit.")
         return None
 
-    async def _forward(self, exchange: _Exchange, decision: Forward, *, sessionless: bool) -> None:
+    async def _forward(
+        self,
+        exchange: _Exchange,
+        decision: Forward,
+        first: Awaitable[int | UpstreamFailure] | None = None,
+    ) -> None:
+        """Forwards, and on a failure answers it or tries another worker. `first`: the
+        outcome of a first try already under way (a forward the lane handed over)."""
         request = exchange.request
+        sessionless = exchange.found is None
         if request.expect_continue and not request.body_complete:
             # The client waits for this before it sends the body; the worker never
             # sees Expect (the forwarder drops it), so the router says it here.
@@ -144,7 +198,8 @@ class PublicHandler:
         while True:
             worker = decision.worker
             tried.add(worker.id)
-            outcome = await self._forward_once(exchange, decision)
+            outcome = await (first or self._try_worker(exchange, decision))
+            first = None
             if not isinstance(outcome, UpstreamFailure):
                 exchange.status = outcome
                 return
@@ -171,28 +226,73 @@ class PublicHandler:
                 return exchange.answer(retry)
             return exchange.answer(self._failure_answer(outcome, gone, decision))
 
-    async def _forward_once(self, exchange: _Exchange, decision: Forward) -> int | UpstreamFailure:
+    def _try_worker(
+        self, exchange: _Exchange, decision: Forward
+    ) -> Coroutine[Any, Any, int | UpstreamFailure]:
+        """One forward to the decision's worker, counted in flight from now on."""
         request = exchange.request
         worker = decision.worker
-        extra = {BOOT_HEADER: decision.boot} if decision.boot else {}
-        worker.in_flight += 1
-        if self.metrics is not None:
-            self.metrics.in_flight(worker.id, 1)
+        self._in_flight(worker, 1)
+        forward = self.forwarder.forward(
+            request,
+            Upstream(worker.id, worker.url),
+            extra_headers={BOOT_HEADER: decision.boot} if decision.boot else _NO_EXTRA,
+            public_base=f"http://{request.host}",
+            body=exchange.body,
+            observer=self._learner(exchange, worker),
+        )
+        return self._attempt(worker, forward)
+
+    async def _attempt(
+        self, worker: Worker, forward: Coroutine[Any, Any, int]
+    ) -> int | UpstreamFailure:
+        """The outcome of one forward to `worker`, counted in flight until it ends."""
         try:
-            return await self.forwarder.forward(
-                request,
-                Upstream(worker.id, worker.url),
-                extra_headers=extra,
-                public_base=f"http://{request.host}",
-                body=exchange.body,
-                observer=self._learner(exchange, worker),
-            )
+            return await forward
         except UpstreamFailure as failure:
             return failure
         finally:
-            worker.in_flight -= 1
-            if self.metrics is not None:
-                self.metrics.in_flight(worker.id, -1)
+            self._in_flight(worker, -1)
+
+    def _in_flight(self, worker: Worker, change: int) -> None:
+        worker.in_flight += change
+        if self.metrics is not None:
+            self.metrics.in_flight(worker.id, change)
+
+    def _start_forward(self, exchange: _Exchange, decision: Forward) -> bool:
+        """Starts the forward on the relay's lane (`Forwarder.start`) when it can go at
+        once and no reply learner needs to see it; False when it cannot."""
+        worker = decision.worker
+        if self.sessions.learns and self._learner(exchange, worker) is not None:
+            return False
+        request = exchange.request
+        self._in_flight(worker, 1)
+        started = self.forwarder.start(
+            request,
+            Upstream(worker.id, worker.url),
+            lambda result: self._lane_done(exchange, decision, result),
+            extra_headers={BOOT_HEADER: decision.boot} if decision.boot else _NO_EXTRA,
+            public_base=f"http://{request.host}",
+            body=exchange.body,
+        )
+        if not started:
+            self._in_flight(worker, -1)
+        return started
+
+    def _lane_done(
+        self, exchange: _Exchange, decision: Forward, result: int | Coroutine[Any, Any, int]
+    ) -> None:
+        """The relay's callback for a forward on its lane: the reply went out (`result`
+        is its status), or the rest of the forward is a coroutine to run."""
+        request = exchange.request
+        if isinstance(result, int):
+            self._in_flight(decision.worker, -1)
+            exchange.status = result
+            self._finish(exchange)
+            request.client.finished(request)
+            return
+        first = self._attempt(decision.worker, result)
+        request.client.carry_on(request, self._forward_and_finish(exchange, decision, first))
 
     def _learner(self, exchange: _Exchange, worker: Worker) -> ReplyLearner | None:
         """A watcher for the reply when it may teach a claim (seed, close, MCP)."""
@@ -231,10 +331,21 @@ class PublicHandler:
 class _Exchange:
     """One request on its way through the handler, with what was learned of it."""
 
-    __slots__ = ("body", "found", "kind", "outcome", "path", "request", "seeding", "status")
+    __slots__ = (
+        "body",
+        "found",
+        "kind",
+        "outcome",
+        "path",
+        "request",
+        "seeding",
+        "started",
+        "status",
+    )
 
-    def __init__(self, request: PublicRequest) -> None:
+    def __init__(self, request: PublicRequest, started: float) -> None:
         self.request = request
+        self.started = started  # time.perf_counter() when it was handed to the handler
         self.kind: str | None = None  # the session kind it named, for metrics
         self.outcome = "forwarded"  # or the code of the router's own answer
         self.status = 0  # the reply's status, for metrics

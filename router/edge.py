@@ -58,7 +58,10 @@ __all__ = ["EdgeConnection", "EdgeLimits", "EdgeServer", "Handler"]
 
 log = logging.getLogger("episode_router.edge")
 
-Handler = Callable[[PublicRequest], Awaitable[None]]
+# A handler either returns an awaitable, which the connection runs in a task (the
+# request is finished when it returns), or returns None and calls `finished()` on the
+# request's connection once it is done with it: at once, or later from a callback.
+Handler = Callable[[PublicRequest], Awaitable[None] | None]
 
 MAX_PIPELINED = 16  # requests parsed ahead of the one being handled, before reading stops
 LINGER_S = 2.0  # how long a closing connection keeps reading (and dropping) a client's body
@@ -131,12 +134,15 @@ class EdgeConnection(asyncio.Protocol):
     # connections take 4.9 KiB each instead of 6.3 (bench.micro --only idle).
     __slots__ = (
         "_body_backlog",
+        "_busy",
         "_closing",
         "_deadline",
         "_deadline_kind",
         "_discarded",
+        "_dispatching",
         "_drain_waiter",
         "_framing",
+        "_halted",
         "_handler",
         "_headers",
         "_in_head",
@@ -181,7 +187,10 @@ class EdgeConnection(asyncio.Protocol):
         # Requests parsed and not yet answered, the one being handled first.
         self._queue: deque[PublicRequest] = deque()
         self._receiving: PublicRequest | None = None  # its body is still arriving
-        self._task: asyncio.Task[None] | None = None
+        self._busy = False  # the request at the head of the queue is with the handler
+        self._dispatching = False  # _dispatch() is on the stack
+        self._halted = False  # no more requests are handed to the handler
+        self._task: asyncio.Task[None] | None = None  # a handler's awaitable, running
         self._refusal: Answer | None = None  # a bad head after the queued requests
         self._stopped = False  # no more requests are read on this connection
         self._lost = False
@@ -228,6 +237,8 @@ class EdgeConnection(asyncio.Protocol):
                     self._close()
             return
         self._feed(data)
+        if self._queue and not self._busy:
+            self._dispatch()
         if self._in_head and self._deadline_kind != _HEAD and not self._stopped:
             # A head began and did not end in this read: its clock starts now.
             self._set_deadline(self._loop.time() + self._head_timeout_s(), _HEAD)
@@ -348,10 +359,10 @@ class EdgeConnection(asyncio.Protocol):
             request.expect_continue = headers.get(
                 "Expect", ""
             ).lower() == "100-continue" and version >= (1, 1)
+        # Handed to the handler once this read is parsed (data_received), so a body that
+        # came with its head is complete by then.
         self._queue.append(request)
-        if self._task is None:
-            self._task = self._loop.create_task(self._serve())
-        elif len(self._queue) > MAX_PIPELINED and not self._pipeline_full:
+        if len(self._queue) > MAX_PIPELINED and not self._pipeline_full:
             self._pipeline_full = True
             self._update_reading()
 
@@ -379,7 +390,7 @@ class EdgeConnection(asyncio.Protocol):
             return
         answer = head_refusal_answer(kind, error)
         log.debug("refused a malformed request head", extra={"error": answer.code})
-        if self._task is None:
+        if not self._busy and not self._queue:
             self._write_answer_and_close(answer)
         else:
             self._refusal = answer  # answered in order, after the requests before it
@@ -408,45 +419,88 @@ class EdgeConnection(asyncio.Protocol):
 
     # --- serving ----------------------------------------------------------------------
 
-    async def _serve(self) -> None:
-        """Handles the queued requests in order; ends when none is left."""
+    def _dispatch(self) -> None:
+        """Hands the queued requests to the handler in order, as far as they go now.
+
+        A request the handler finishes at once, or drives by callbacks, takes no task (the
+        router's usual forward: see README "Performance"); one whose handler returns an
+        awaitable runs in a task, and the queue moves on when it ends. Once the queue is
+        empty, a refusal waiting behind it is written, or the idle clock starts.
+        """
         queue = self._queue
+        self._dispatching = True
         try:
-            while queue and not self._lost:
+            while queue and not self._busy and not self._halted and not self._lost:
                 request = queue[0]
                 self._replied = False
+                self._busy = True
                 try:
-                    await self._handler(request)
+                    pending = self._handler(request)
                 except Exception:
-                    log.exception("the request handler failed")
-                    self.abort()
+                    self._handler_failed()
                     return
-                queue.popleft()
-                if not self._replied:
-                    log.error("the request handler sent no reply; closing the connection")
-                    self.abort()
+                if pending is not None:
+                    self._task = self._loop.create_task(self._run_handler(request, pending))
                     return
-                if self._pipeline_full and len(queue) <= MAX_PIPELINED:
-                    self._pipeline_full = False
-                    self._update_reading()
-                if not self._reply_keep_alive:
-                    self._close_after(request)
-                    return
-            if self._lost:
-                return
-            if self._refusal is not None:
-                self._write_answer_and_close(self._refusal)
-            elif self._closing and not self._in_head:
-                self._close()
-            elif not self._in_head:
-                self._set_deadline(self._loop.time() + self._limits.idle_timeout_s, _IDLE)
+        finally:
+            self._dispatching = False
+        if queue or self._busy or self._halted or self._lost:
+            return
+        if self._refusal is not None:
+            self._write_answer_and_close(self._refusal)
+        elif self._closing and not self._in_head:
+            self._close()
+        elif not self._in_head:
+            self._set_deadline(self._loop.time() + self._limits.idle_timeout_s, _IDLE)
+
+    async def _run_handler(self, request: PublicRequest, pending: Awaitable[None]) -> None:
+        try:
+            await pending
+        except Exception:
+            self._handler_failed()
+            return
         finally:
             self._task = None
+        self.finished(request)
+
+    def carry_on(self, request: PublicRequest, rest: Awaitable[None]) -> None:
+        """The handler, having returned None for `request`, finishes it in a task after
+        all: `rest` runs as a returned awaitable would (`finished()` when it ends)."""
+        self._task = self._loop.create_task(self._run_handler(request, rest))
+
+    def finished(self, request: PublicRequest) -> None:
+        """The handler is done with `request`, the one at the head of the queue: its reply
+        went out (or the client was dropped). The next request is handed on, or the
+        connection closes after a reply that said so."""
+        queue = self._queue
+        if not queue or queue[0] is not request or not self._busy:
+            raise RuntimeError("finished() for a request that is not being handled")
+        self._busy = False
+        queue.popleft()
+        if not self._replied:
+            log.error("the request handler sent no reply; closing the connection")
+            self._halted = True
+            self.abort()
+            return
+        if self._pipeline_full and len(queue) <= MAX_PIPELINED:
+            self._pipeline_full = False
+            self._update_reading()
+        if not self._reply_keep_alive:
+            self._halted = True
+            self._close_after(request)
+            return
+        if not self._dispatching:
+            self._dispatch()
+
+    def _handler_failed(self) -> None:
+        log.exception("the request handler failed")
+        self._halted = True
+        self.abort()
 
     def close_when_idle(self) -> None:
         """Shutdown: an idle connection closes now; a busy one after its queue."""
         self._closing = True
-        if self._task is None:
+        if not self._busy and not self._queue:
             self._close()
 
     def abort(self) -> None:

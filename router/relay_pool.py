@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections import deque
+from collections.abc import Callable
 from typing import cast
 
 from router.relay_wire import ReplyParser, WorkerAddress
@@ -43,13 +44,14 @@ class PoolClosed(Exception):
 class WorkerConnection(asyncio.Protocol):
     """One connection to a worker, carrying one exchange at a time.
 
-    The protocol callbacks feed `reply` and wake the one task waiting in `wait()`;
-    they never raise and never block.
+    The protocol callbacks feed `reply` and wake the one task waiting in `wait()`, or
+    call the one callback `listen()` set; they never block.
     """
 
     __slots__ = (
         "_deadline",
         "_drain_waiter",
+        "_listener",
         "_loop",
         "_pool",
         "_read_paused",
@@ -69,6 +71,7 @@ class WorkerConnection(asyncio.Protocol):
         self._pool = pool
         self._loop = loop
         self._waiter: asyncio.Future[int] | None = None
+        self._listener: Callable[[int], None] | None = None
         self._drain_waiter: asyncio.Future[None] | None = None
         self._read_paused = False
         # One timer per connection, moved lazily (see wait()).
@@ -134,6 +137,22 @@ class WorkerConnection(asyncio.Protocol):
         bytes that arrived before the call do not wake it."""
         waiter: asyncio.Future[int] = self._loop.create_future()
         self._waiter = waiter
+        self._arm(deadline)
+        try:
+            return await waiter
+        finally:
+            self._waiter = None
+            self._deadline = None
+
+    def listen(self, listener: Callable[[int], None], deadline: float | None) -> None:
+        """Calls `listener` once, with what `wait()` would return, when the reply moves,
+        `deadline` passes or `interrupt()` is called: the same wait with no task and no
+        future, for an exchange driven by callbacks. The listener may run inside this
+        connection's data_received; it may start the next exchange on it."""
+        self._listener = listener
+        self._arm(deadline)
+
+    def _arm(self, deadline: float | None) -> None:
         self._deadline = deadline
         # A timer handle, not asyncio.timeout (no context manager, no task cancellation:
         # 3.3 µs against 5.9 µs for a wait woken at once), and one per connection moved
@@ -147,16 +166,11 @@ class WorkerConnection(asyncio.Protocol):
                     timer.cancel()
                 self._timer = self._loop.call_at(deadline, self._deadline_passed)
                 self._timer_when = deadline
-        try:
-            return await waiter
-        finally:
-            self._waiter = None
-            self._deadline = None
 
     def _deadline_passed(self) -> None:
         self._timer = None
         deadline = self._deadline
-        if deadline is None or self._waiter is None:
+        if deadline is None or (self._waiter is None and self._listener is None):
             return  # nobody waits with a deadline: the timer lapses
         # A timer may fire up to a millisecond early (the loop's clock resolution).
         if self._loop.time() + _TIMER_SLACK_S < deadline:
@@ -166,7 +180,8 @@ class WorkerConnection(asyncio.Protocol):
         self._wake(TIMED_OUT)
 
     def interrupt(self) -> None:
-        """Wakes the task in `wait()` with INTERRUPTED (a no-op when none waits)."""
+        """Wakes the task in `wait()` (or the listener) with INTERRUPTED (a no-op when
+        none waits)."""
         self._wake(INTERRUPTED)
 
     def take_body(self) -> bytes:
@@ -226,8 +241,15 @@ class WorkerConnection(asyncio.Protocol):
 
     def _wake(self, outcome: int) -> None:
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(outcome)
+        if waiter is not None:
+            if not waiter.done():
+                waiter.set_result(outcome)
+            return
+        listener = self._listener
+        if listener is not None:
+            self._listener = None
+            self._deadline = None
+            listener(outcome)
 
 
 class WorkerPool:
@@ -273,19 +295,28 @@ class WorkerPool:
         """
         if self.closed:
             raise PoolClosed
-        idle = self._idle
-        if idle:
-            now = self._loop.time()
-            while idle:
-                conn = idle.pop()
-                if conn.usable(now):
-                    conn.reused = True
-                    return conn
-                conn.close()
+        conn = self.take_idle()
+        if conn is not None:
+            return conn
         if self._taken < self.limit:
             self._taken += 1
             return await self._open(deadline)
         return await self._wait_turn(deadline)
+
+    def take_idle(self) -> WorkerConnection | None:
+        """The warmest usable idle connection, at once; None when there is none (the
+        pool is closed, or every connection is busy)."""
+        idle = self._idle
+        if not idle or self.closed:
+            return None
+        now = self._loop.time()
+        while idle:
+            conn = idle.pop()
+            if conn.usable(now):
+                conn.reused = True
+                return conn
+            conn.close()
+        return None
 
     async def reopen(self, stale: WorkerConnection, deadline: float) -> WorkerConnection:
         """Drops `stale` (held by the caller) and opens a fresh connection in its place,

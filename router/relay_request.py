@@ -26,7 +26,7 @@ WHOLE_BODY_MAX = 64 * 1024
 _REFUSED_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ENOENT})  # ENOENT: no socket file
 
 
-async def framed_body(
+def framed_body(
     request: PublicRequest, body: bytes | None
 ) -> tuple[bytes | None, int | None, bool]:
     """(payload, content_length, chunked) for the worker's request.
@@ -46,9 +46,9 @@ async def framed_body(
         raise stream.broken
     if not stream.complete or stream.received > WHOLE_BODY_MAX:
         return None, None if chunked else request.content_length, chunked
-    # The whole body is here, so this does not wait. read() keeps what it read: a
-    # request tried again on another worker (connect refused) sends it again.
-    data = await request.read()
+    # The whole body is here: no wait. What is read is kept: a request tried again on
+    # another worker (connect refused) sends it again.
+    data = request.read_now()
     if not chunked:
         return data, len(data), False
     # The client chose chunked framing; the worker gets it too, in the same write.
