@@ -77,7 +77,8 @@ class _NoJournal:
         pass
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is made per routed request, and a frozen init costs 0.33 µs against 0.14.
+@dataclass(slots=True)
 class Forward:
     """Send the request to `worker`; `boot` goes in X-Episode-Router-Boot."""
 

@@ -84,6 +84,16 @@ class EdgeLimits:
     max_headers: int = 100
 
 
+# The usual versions and methods, looked up instead of parsed and decoded per request.
+_VERSIONS = {"1.1": (1, 1), "1.0": (1, 0)}
+_METHODS = {m.encode(): m for m in ("GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH")}
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, _, minor = text.partition(".")
+    return int(major), int(minor)
+
+
 class _HeadLimit(Exception):
     """Raised from a parser callback to stop at a head over the limits."""
 
@@ -337,11 +347,12 @@ class EdgeConnection(asyncio.Protocol):
         # llhttp accepted only digits and refused a repeat or a length with chunked.
         content_length = int(length_text) if length_text is not None and not chunked else None
         body = RequestBody(self, self._loop) if chunked or (content_length or 0) > 0 else None
-        major, _, minor = parser.get_http_version().partition(".")
-        version = (int(major), int(minor))
+        version_text = parser.get_http_version()
+        version = _VERSIONS.get(version_text) or _version(version_text)
         target, authority = split_target(self._url.decode("utf-8", "surrogateescape"))
+        method = parser.get_method()
         request = PublicRequest(
-            parser.get_method().decode("ascii"),
+            _METHODS.get(method) or method.decode("ascii"),
             target,
             version,
             headers,

@@ -112,12 +112,13 @@ def reply_head(
     no_body = head_request or status in _NO_BODY_STATUSES or status < 200
     has_length = has_date = False
     for name, value in headers:
-        lower = name.lower()
-        if lower == "content-length":
+        # Only two names matter here; their lengths rule most names out without lower().
+        size = len(name)
+        if size == 14 and name.lower() == "content-length":
             if status == 204 or status < 200:
                 continue  # RFC 9110 §8.6: never in these
             has_length = True
-        elif lower == "date":
+        elif size == 4 and name.lower() == "date":
             has_date = True
         lines.append(f"{name}: {value}")
     if no_body:

@@ -75,7 +75,8 @@ class ReplyObserver(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is made per forward, and a frozen init costs 0.33 µs against 0.14.
+@dataclass(slots=True)
 class Upstream:
     """Where one worker listens: `http://host:port` or `unix:/path/to/socket`."""
 
@@ -207,17 +208,41 @@ def reply_headers_for_client(
     Everything else, repeated Set-Cookie included, passes unchanged and in order.
     """
     items = worker_headers if isinstance(worker_headers, list) else list(worker_headers)
-    lowered = [name.lower() for name, _ in items]
-    # Most replies carry no Connection header: no need to read what it names.
-    named = _connection_named(items) if "connection" in lowered else _NONE_NAMED
+    roles = [_REPLY_ROLES.get(name) or _reply_role(name) for name, _ in items]
+    if _REPLY_CONNECTION in roles:
+        # The names Connection lists are dropped too: roles for this reply alone.
+        named = _connection_named(items)
+        roles = [_reply_role_named(name.lower(), named) for name, _ in items]
     out = []
-    for (name, value), lower in zip(items, lowered, strict=True):
-        if _is_hop_by_hop(lower, named):
-            continue
-        if public_base is not None and lower in _REWRITTEN_REPLY_HEADERS:
-            value = rewrite_location(value, private_origin, public_base)
-        out.append((name, value))
+    for (name, value), role in zip(items, roles, strict=True):
+        if role == _REPLY_KEEP:
+            out.append((name, value))
+        elif role == _REPLY_LOCATION:
+            if public_base is not None:
+                value = rewrite_location(value, private_origin, public_base)
+            out.append((name, value))
     return out
+
+
+# What a worker's reply header becomes for the client, by name: worked out once per
+# name (bounded: invented names cannot grow it), per reply only with a Connection
+# header. A lower() and three rule checks per header per reply before (bench.hotpath).
+_REPLY_KEEP, _REPLY_DROP, _REPLY_LOCATION, _REPLY_CONNECTION = 1, 2, 3, 4
+_REPLY_ROLES: dict[str, int] = {}
+_MAX_REPLY_ROLES = 4096
+
+
+def _reply_role_named(lower: str, named: frozenset[str]) -> int:
+    if _is_hop_by_hop(lower, named):
+        return _REPLY_CONNECTION if lower == "connection" else _REPLY_DROP
+    return _REPLY_LOCATION if lower in _REWRITTEN_REPLY_HEADERS else _REPLY_KEEP
+
+
+def _reply_role(name: str) -> int:
+    role = _reply_role_named(name.lower(), _NONE_NAMED)
+    if len(_REPLY_ROLES) < _MAX_REPLY_ROLES:
+        _REPLY_ROLES[name] = role
+    return role
 
 
 def rewrite_location(value: str, private_origin: str, public_base: str) -> str:

@@ -133,7 +133,9 @@ def _route(route: RouteConfig | None) -> Route | None:
     return None if route is None else Route(route.method, route.path)
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is made per request naming a session, and a frozen init costs 0.33 µs
+# against 0.14. Treated as immutable all the same.
+@dataclass(slots=True)
 class SessionRef:
     kind: str
     key: str
@@ -195,12 +197,10 @@ class SessionReader:
                 if cookies is None:
                     cookies = parse_cookie_header(headers.getall("Cookie", []))
                 values = cookies.get(kind.cookie or "", [])
-                label = f"{kind.cookie} cookie"
             else:
                 values = headers.getall(kind.header or "", [])
-                label = f"{kind.header} header"
             if values:
-                return self._decide(kind, values, label, now)
+                return self._decide(kind, values, now)
         return None
 
     def read_body(
@@ -245,10 +245,9 @@ class SessionReader:
                 continue  # not a key this router could ever hold: no session
         return None
 
-    def _decide(
-        self, kind: SessionKind, values: list[str], label: str, now: float
-    ) -> SessionRef | Answer:
-        if any(value != values[0] for value in values[1:]):
+    def _decide(self, kind: SessionKind, values: list[str], now: float) -> SessionRef | Answer:
+        if len(values) > 1 and any(value != values[0] for value in values[1:]):
+            label = f"{kind.cookie} cookie" if kind.source == "cookie" else f"{kind.header} header"
             return Answer("ambiguous_session", f"The {label} is repeated with different values.")
         try:
             cache = self._token_caches.get(kind.name)
