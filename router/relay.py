@@ -324,7 +324,7 @@ class Forwarder:
             head = worker_request_head(
                 method,
                 request.target,
-                request.headers.items(),
+                request.header_list,
                 worker_host=exchange.pool.address.host_header,
                 client_ip=request.remote,
                 scheme=request.scheme,
@@ -393,6 +393,7 @@ class Forwarder:
             exchange.conn = None
             raise connect_failure(exc, timeouts, request_sent=True) from exc
         exchange.conn = conn
+        exchange.request.on_client_lost = conn.interrupt  # the new connection's wait
         self._write_request(exchange, conn, message)
         return await self._reply_head(exchange, conn)
 
