@@ -364,6 +364,7 @@ class EdgeConnection(asyncio.Protocol):
             chunked=chunked,
             body=body,
             client=self,
+            header_list=self._headers,
         )
         if body is not None:
             self._receiving = request

@@ -152,6 +152,7 @@ class PublicRequest:
         "client",
         "content_length",
         "expect_continue",
+        "header_list",
         "headers",
         "host",
         "keep_alive",
@@ -180,12 +181,16 @@ class PublicRequest:
         body: RequestBody | None,
         client: EdgeConnection,
         authority: str | None = None,
+        header_list: list[tuple[str, str]] | None = None,
     ) -> None:
         self.method = method
         self.target = target
         self.path = target.partition("?")[0]
         self.version = version
         self.headers = headers
+        # The same (name, value) pairs in the order they came, as a list: what the request
+        # head for the worker is built from (list(headers.items()) was 0.8 µs a request).
+        self.header_list = list(headers.items()) if header_list is None else header_list
         self.remote = remote
         self.host = host
         self.keep_alive = keep_alive
