@@ -366,6 +366,26 @@ def third_request_after(ref: list[ConversationWorker], second: WriteReply) -> Co
     return talk
 
 
+async def three_gets(
+    rig: Rig, second: WriteReply, targets: Sequence[str]
+) -> tuple[ConversationWorker, list[ClientReply]]:
+    """A worker answering as `third_request_after(second)`, and the replies to three GETs
+    of `targets` sent one after another on one client connection."""
+    ref: list[ConversationWorker] = []
+    worker = ConversationWorker(third_request_after(ref, second))
+    ref.append(worker)
+    await register(rig, worker)
+    conn = await RawHttp.open(rig.router.public_port)
+    try:
+        replies = []
+        for target in targets:
+            conn.send(request_bytes("GET", target))
+            replies.append(await read_reply(conn))
+    finally:
+        conn.close()
+    return worker, replies
+
+
 def in_pieces(*pieces: bytes) -> WriteReply:
     """Writes `pieces` one by one, with a pause between two."""
 
@@ -395,19 +415,7 @@ async def test_a_reply_in_pieces_is_relayed_whole_and_the_connection_kept(
 ) -> None:
     pieces, handovers = PIECES[case]
     await rig.start_router()
-    ref: list[ConversationWorker] = []
-    worker = ConversationWorker(third_request_after(ref, in_pieces(*pieces)))
-    ref.append(worker)
-    await register(rig, worker)
-
-    conn = await RawHttp.open(rig.router.public_port)
-    try:
-        replies = []
-        for target in ("/1", "/2", "/3"):
-            conn.send(request_bytes("GET", target))
-            replies.append(await read_reply(conn))
-    finally:
-        conn.close()
+    worker, replies = await three_gets(rig, in_pieces(*pieces), ("/1", "/2", "/3"))
 
     assert [(r.status, r.body) for r in replies] == [(200, b"ok"), (200, b"abcdef"), (200, b"ok")]
     assert replies[1].lines == ("HTTP/1.1 200 OK", "Content-Length: 6")
@@ -459,19 +467,7 @@ async def test_a_large_streamed_reply_is_relayed_intact(
     expected_lines: tuple[str, ...],
 ) -> None:
     await rig.start_router()
-    ref: list[ConversationWorker] = []
-    worker = ConversationWorker(third_request_after(ref, second))
-    ref.append(worker)
-    await register(rig, worker)
-
-    conn = await RawHttp.open(rig.router.public_port)
-    try:
-        replies = []
-        for target in ("/1", "/big", "/3"):
-            conn.send(request_bytes("GET", target))
-            replies.append(await read_reply(conn))
-    finally:
-        conn.close()
+    worker, replies = await three_gets(rig, second, ("/1", "/big", "/3"))
 
     assert replies[1].lines == expected_lines
     assert replies[1].body == BIG
