@@ -163,14 +163,21 @@ def start_router(config_path: Path, port: int, log_path: Path) -> Child:
 
 
 def start_worker(
-    worker_id: str, control: str | None, keys_path: Path | None, log_path: Path
+    worker_id: str,
+    control: str | None,
+    keys_path: Path | None,
+    log_path: Path,
+    work_us: float = 0.0,
 ) -> Child:
-    """A bench.worker process; returns once it has claimed its keys and serves."""
+    """A bench.worker process; returns once it has claimed its keys and serves.
+    `work_us`: microseconds it busy-spins per tool call (0: a trivial worker)."""
     argv = [sys.executable, "-m", "bench.worker", "--port", "0", "--worker-id", worker_id]
     if control is not None:
         argv += ["--control", control]
     if keys_path is not None:
         argv += ["--keys", str(keys_path)]
+    if work_us > 0:
+        argv += ["--work-us", f"{work_us:g}"]
     child = start_child(f"worker {worker_id}", argv, log_path, stdout_pipe=True)
     try:
         child.port = _read_ready_port(child)

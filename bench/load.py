@@ -11,14 +11,17 @@ bench.report's.
 - `closed_loop`: C connections, each sending its next request when the previous
   reply ends (a fallback for wrk, and the quick mode's generator).
 - `paced`: C connections sending at a fixed total rate (latency at half of
-  saturation; wrk cannot pace). Latency is timed from the actual send, and the
-  rate achieved is reported beside the rate asked for.
-- `run_wrk`: wrk with a Lua script that cycles through the tokens.
+  saturation, when wrk is missing). Latency is timed from the actual send, and
+  the rate achieved is reported beside the rate asked for.
+- `run_wrk`: wrk with a Lua script that cycles through the tokens; with
+  `paced_wrk_script`, each connection also waits a think time before each
+  request (wrk's `delay()` hook), which paces the run at about a given rate.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import math
 import re
@@ -35,11 +38,13 @@ __all__ = [
     "build_request",
     "closed_loop",
     "paced",
+    "paced_wrk_script",
     "parse_wrk",
     "percentile",
     "run_async",
     "run_wrk",
     "serial_latencies",
+    "wrk_delay_ms",
     "wrk_script",
 ]
 
@@ -370,6 +375,53 @@ def wrk_script(tokens: Sequence[str], body: bytes = REQUEST_BODY) -> str:
     )
 
 
+def wrk_delay_ms(connections: int, rate: float) -> float:
+    """The think time (ms) each of `connections` connections waits before each request
+    so that together they send about `rate` requests a second: connections / rate s.
+
+    This is a closed loop with think time, not an open-loop schedule: a connection
+    waits this long after its previous reply ends, so its period is the delay plus
+    the response time, and the rate achieved is slightly below `rate`. Nothing is
+    subtracted for the response time (it differs per proxy); the achieved rate is
+    measured and reported beside the rate asked."""
+    if connections <= 0 or rate <= 0:
+        raise ValueError(f"connections and rate must be positive, got {connections}, {rate!r}")
+    return connections / rate * 1000.0
+
+
+def paced_wrk_script(
+    tokens: Sequence[str], connections: int, delay_ms: float, body: bytes = REQUEST_BODY
+) -> str:
+    """`wrk_script` plus a `delay()` hook: wrk calls it before each request a connection
+    sends, first one included, and waits the milliseconds it returns. `connections` is
+    the number of connections per wrk thread (each thread has its own Lua state).
+
+    - The first request of each connection is staggered over one period (the k-th
+      waits floor(k * delay_ms / connections)), so the connections do not start in
+      a burst and stay spread out.
+    - wrk waits whole milliseconds (it truncates the number returned), so each
+      thread carries the fraction over to its next request: the mean think time is
+      `delay_ms` exactly."""
+    if connections <= 0 or delay_ms < 0:
+        raise ValueError(f"bad pacing: {connections} connections, {delay_ms!r} ms")
+    return wrk_script(tokens, body) + (
+        f"local delay_ms = {delay_ms:.6f}\n"
+        f"local connections = {connections}\n"
+        "local started = 0\n"
+        "local owed = 0.0\n"
+        "function delay()\n"
+        "  if started < connections then\n"
+        "    started = started + 1\n"
+        "    return math.floor((started - 1) * delay_ms / connections)\n"
+        "  end\n"
+        "  owed = owed + delay_ms\n"
+        "  local whole = math.floor(owed)\n"
+        "  owed = owed - whole\n"
+        "  return whole\n"
+        "end\n"
+    )
+
+
 _UNITS = {"us": 1.0, "ms": 1e3, "s": 1e6, "m": 60e6, "h": 3600e6}
 
 
@@ -405,9 +457,16 @@ def parse_wrk(text: str) -> LoadResult:
 
 
 def run_wrk(
-    binary: str, port: int, script: str, connections: int, threads: int, seconds: float
+    binary: str,
+    port: int,
+    script: str,
+    connections: int,
+    threads: int,
+    seconds: float,
+    rate_asked: float | None = None,
 ) -> LoadResult:
-    """Runs wrk against 127.0.0.1:`port` with the Lua script file `script`."""
+    """Runs wrk against 127.0.0.1:`port` with the Lua script file `script`
+    (`rate_asked`: the rate a paced script aims at, recorded in the result)."""
     argv = [
         binary,
         f"-t{threads}",
@@ -421,4 +480,4 @@ def run_wrk(
     done = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"wrk failed ({done.returncode}): {done.stderr.strip()}")
-    return parse_wrk(done.stdout)
+    return dataclasses.replace(parse_wrk(done.stdout), rate_asked=rate_asked)

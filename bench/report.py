@@ -1,8 +1,10 @@
 """What a benchmark run found: per-proxy figures, ratios to nginx, targets, table, JSON, chart.
 
 This module owns the figures' meaning: CPU per forwarded request, added
-latency (proxy p50 minus the direct-to-worker p50), ratios to nginx measured in
-the same run, and the issue's targets checked against them. It is pure except
+latency (proxy p50 minus the direct-to-worker p50), the proxy-bound throughput
+(trivial workers: how fast the proxy alone is) and the worker-bound throughput
+(busy workers: what the throughput target is about), ratios to nginx measured
+in the same run, and the issue's targets checked against them. It is pure except
 for `write_chart`, which draws with matplotlib when it is installed. It never
 runs a process or sends a request.
 """
@@ -22,6 +24,7 @@ __all__ = [
     "TargetCheck",
     "check_targets",
     "format_table",
+    "legend",
     "ratio",
     "to_json",
     "write_chart",
@@ -60,6 +63,15 @@ class Figures:
     paced_p50_us: float | None = None
     paced_p99_us: float | None = None
     paced_errors: int | None = None
+    paced_tool: str | None = None  # "wrk" (think time per connection) or "bundled"
+    # Worker-bound throughput: the same load against workers that spin work_us per request.
+    bound_rps: float | None = None
+    bound_requests: int | None = None
+    bound_errors: int | None = None
+    bound_tokens: int | None = None  # the token set, balanced over the workers for this proxy
+    bound_proxy_cores: float | None = None  # the proxy's CPU seconds per second meanwhile
+    bound_worker_cores: float | None = None  # the busy workers' CPU seconds per second, summed
+    bound_problem: str = ""  # why the worker-bound run failed, when it did
     rss_mib: float | None = None
     ratios: dict[str, float | None] = field(default_factory=dict)
 
@@ -95,7 +107,8 @@ def ratio(value: float | None, base: float | None) -> float | None:
 
 
 def fill_ratios(run: Run) -> None:
-    """Sets every proxy's ratios to nginx: CPU, throughput, added p50 latency."""
+    """Sets every proxy's ratios to nginx: CPU, proxy-bound and worker-bound throughput,
+    added p50 latency."""
     base = run.by_name(BASELINE)
     for figures in run.figures:
         if figures.status != "ok" or figures.name == DIRECT:
@@ -103,14 +116,26 @@ def fill_ratios(run: Run) -> None:
         figures.ratios = {
             "cpu": ratio(figures.cpu_us_per_request, base.cpu_us_per_request if base else None),
             "rps": ratio(figures.rps, base.rps if base else None),
+            "bound_rps": ratio(figures.bound_rps, base.bound_rps if base else None),
             "added_p50": ratio(figures.added_p50_us, base.added_p50_us if base else None),
         }
 
 
-def _check(target: str, measured: float | None, shown: str, ok: bool) -> TargetCheck:
+def _check(
+    target: str, measured: float | None, shown: str, ok: bool, why: str = "nginx skipped"
+) -> TargetCheck:
     if measured is None:
-        return TargetCheck(target, "not measured (nginx skipped)", None)
+        return TargetCheck(target, f"not measured ({why})", None)
     return TargetCheck(target, shown, ok)
+
+
+def _paced_shown(f: Figures) -> str:
+    if f.paced_p99_us is None:
+        return "not measured"
+    shown = f"{f.paced_p99_us:.0f} us"
+    if f.paced_rps is not None:
+        shown += f" at {f.paced_rps:,.0f} rps"
+    return shown + (f" ({f.paced_tool})" if f.paced_tool else "")
 
 
 def check_targets(run: Run) -> list[TargetCheck]:
@@ -119,8 +144,9 @@ def check_targets(run: Run) -> list[TargetCheck]:
     if router is None:
         return []
     r = router.ratios
-    cpu, rps, added = r.get("cpu"), r.get("rps"), r.get("added_p50")
+    cpu, bound, added = r.get("cpu"), r.get("bound_rps"), r.get("added_p50")
     half = router.paced_p99_us
+    no_bound = "nginx skipped" if router.bound_rps is not None else "no worker-bound run"
     return [
         _check(
             f"CPU per request <= {MAX_CPU_RATIO}x nginx",
@@ -136,14 +162,15 @@ def check_targets(run: Run) -> list[TargetCheck]:
         ),
         TargetCheck(
             f"p99 <= {MAX_HALF_LOAD_P99_US:g} us at half of saturation",
-            f"{half:.0f} us" if half is not None else "not measured",
+            _paced_shown(router),
             half <= MAX_HALF_LOAD_P99_US if half is not None else None,
         ),
         _check(
-            f"throughput >= {MIN_THROUGHPUT_RATIO:.0%} of nginx",
-            rps,
-            f"{rps:.0%}" if rps is not None else "",
-            rps is not None and rps >= MIN_THROUGHPUT_RATIO,
+            f"throughput >= {MIN_THROUGHPUT_RATIO:.0%} of nginx, workers the bottleneck",
+            bound,
+            f"{bound:.1%} (worker-bound rps)" if bound is not None else "",
+            bound is not None and bound >= MIN_THROUGHPUT_RATIO,
+            no_bound,
         ),
     ]
 
@@ -165,6 +192,8 @@ _COLUMNS = (
     "x nginx",
     "rps",
     "x nginx",
+    "worker-bound rps",
+    "x nginx",
     "serial p50",
     "p99",
     "added p50",
@@ -184,6 +213,8 @@ def _row(f: Figures) -> tuple[str, ...]:
         _times(r.get("cpu")),
         _cell(f.rps),
         _times(r.get("rps")),
+        _cell(f.bound_rps),
+        _times(r.get("bound_rps")),
         _cell(f.serial_p50_us),
         _cell(f.serial_p99_us),
         _cell(f.added_p50_us),
@@ -193,6 +224,65 @@ def _row(f: Figures) -> tuple[str, ...]:
         _cell(f.paced_p99_us),
         _cell(f.rss_mib, 1),
     )
+
+
+def _wrapped(head: str, items: Sequence[str], end: str, width: int = 92) -> list[str]:
+    """`head` then `items` joined by ", ", wrapped between items at `width`, then `end`."""
+    lines = [head]
+    for index, item in enumerate(items):
+        text = item + (", " if index < len(items) - 1 else end)
+        if len(lines[-1]) + len(text.rstrip()) > width and lines[-1].strip():
+            lines[-1] = lines[-1].rstrip()
+            lines.append("     ")
+        lines[-1] += text
+    return lines
+
+
+def legend(settings: Mapping[str, Any], figures: Sequence[Figures]) -> list[str]:
+    """The lines under the table that say how each column was measured."""
+    connections = settings.get("connections", "?")
+    tool = {"wrk": "wrk", "bundled": "the bundled generator"}.get(
+        str(settings.get("load_tool")), "the load"
+    )
+    workers = settings.get("workers")
+    work_us = settings.get("work_us") or 0
+    measured = [f for f in figures if f.status == "ok" and f.name != DIRECT]
+    lines = [
+        "(latencies in microseconds; added = proxy p50 - direct-to-worker p50;",
+        f" rps: proxy-bound: {tool} at {connections} connections to trivial workers,"
+        " how fast the proxy alone is;",
+    ]
+    if work_us > 0 and isinstance(workers, int):
+        ceiling = workers * 1e6 / work_us
+        lines += [
+            f" worker-bound rps: the same to {workers} workers that spin {work_us:g} us per request"
+            f" (at most {ceiling:,.0f} rps",
+            "   in all), so the workers are the bottleneck: the throughput target's figure;",
+        ]
+        cores = [
+            f"{f.name} {f.bound_proxy_cores:.2f} / {f.bound_worker_cores:.2f}"
+            for f in measured
+            if f.bound_proxy_cores is not None and f.bound_worker_cores is not None
+        ]
+        if cores:
+            lines += _wrapped("   cores used meanwhile (proxy / workers): ", cores, ";")
+    else:
+        lines.append(" worker-bound rps: not measured (--work-us 0);")
+    asked = next((f.paced_rate_asked for f in measured if f.paced_rate_asked), None)
+    tools = {f.paced_tool for f in measured if f.paced_tool}
+    if tools == {"wrk"}:
+        how = "wrk, each connection waiting C/rate before each request (closed loop)"
+    elif tools == {"bundled"}:
+        how = "the bundled generator, each connection on a fixed schedule"
+    else:
+        how = " and ".join(sorted(tools)) or "not run"
+    lines += [
+        " paced: every proxy asked for half the router's proxy-bound rps"
+        + (f" ({asked:,.0f})" if asked else "")
+        + ", paced rps achieved;",
+        f"   by {how})",
+    ]
+    return lines
 
 
 def format_table(run: Run) -> str:
@@ -207,8 +297,7 @@ def format_table(run: Run) -> str:
         for row in rows
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.append("(latencies in microseconds; added = proxy p50 - direct-to-worker p50;")
-    lines.append(" paced: every proxy at half the router's saturation rate)")
+    lines.extend(legend(run.settings, run.figures))
     for f in run.figures:
         if f.status != "ok":
             lines.append(f"{f.status}: {f.name}: {f.reason}")
@@ -217,6 +306,10 @@ def format_table(run: Run) -> str:
             lines.append(f"warning: {f.name}: {f.load_errors} errors under load")
         if f.status == "ok" and f.paced_errors:
             lines.append(f"warning: {f.name}: {f.paced_errors} errors at the paced rate")
+        if f.status == "ok" and f.bound_errors:
+            lines.append(f"warning: {f.name}: {f.bound_errors} errors in the worker-bound run")
+        if f.status == "ok" and f.bound_problem:
+            lines.append(f"warning: {f.name}: worker-bound run failed: {f.bound_problem}")
     if run.targets:
         lines.append("targets (router):")
         for check in run.targets:
@@ -242,14 +335,15 @@ def to_json(run: Run) -> str:
 
 _PANELS: Sequence[tuple[str, str, str | None]] = (
     ("cpu_us_per_request", "CPU per forwarded request (us, lower is better)", "cpu"),
-    ("rps", "throughput at {connections} connections (req/s)", "rps"),
+    ("rps", "proxy-bound throughput at {connections} connections (req/s)", "rps"),
+    ("bound_rps", "worker-bound throughput, workers spin {work_us} us (req/s)", "bound_rps"),
     ("added_p50_us", "serial added latency p50 (us)", "added_p50"),
     ("paced_p99_us", "p99 at half the router's saturation rate (us)", None),
 )
 
 
 def write_chart(run: Run, path: Path) -> str | None:
-    """Draws the run's four figures as bar charts into `path` (PNG).
+    """Draws the run's five figures as bar charts into `path` (PNG).
     Returns None when done, else why no chart was drawn (matplotlib missing)."""
     try:
         import matplotlib
@@ -259,8 +353,9 @@ def write_chart(run: Run, path: Path) -> str | None:
     except ImportError:
         return "no chart: matplotlib is not installed (pip install matplotlib)"
     measured = [f for f in run.figures if f.status == "ok" and f.name != DIRECT]
-    figure, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for axis, (attribute, title, ratio_key) in zip(axes.flat, _PANELS, strict=True):
+    figure, axes = plt.subplots(2, 3, figsize=(15, 7))
+    axes.flat[-1].axis("off")  # five panels on a 2 x 3 grid
+    for axis, (attribute, title, ratio_key) in zip(axes.flat, _PANELS, strict=False):
         names = [f.name for f in measured]
         values = [getattr(f, attribute) or 0.0 for f in measured]
         colours = ["#d62728" if n == "router" else "#1f77b4" for n in names]
@@ -268,7 +363,8 @@ def write_chart(run: Run, path: Path) -> str | None:
         labels = [_bar_label(f, attribute, ratio_key) for f in measured]
         axis.bar_label(bars, labels=labels, fontsize=8)
         connections = run.settings.get("connections", "?")
-        axis.set_title(title.format(connections=connections), fontsize=10)
+        work_us = f"{run.settings.get('work_us') or 0:g}"
+        axis.set_title(title.format(connections=connections, work_us=work_us), fontsize=10)
         axis.margins(y=0.15)
     figure.suptitle(_chart_title(run.machine), fontsize=10)
     figure.tight_layout()

@@ -1,23 +1,32 @@
 """The benchmark harness: the router against nginx, HAProxy and Envoy, side by side.
 
-`python -m bench.run [--quick] [--peers nginx,haproxy,envoy] [--install] [--profile]`
+`python -m bench.run [--quick] [--peers nginx,haproxy,envoy] [--install] [--profile]
+[--work-us N]`
 
 It starts W trivial workers (bench.worker) that claim a fixed set of episodes
-over the router's control socket, the router (`python -m router.cli run`), and
-each peer it finds installed, configured for stickiness on the episode-token
-header. For each proxy in turn it checks that every token is routed (to its
-claiming worker, for the router; to one worker consistently, for the peers),
-then measures:
+over the router's control socket, W busy workers (each spinning --work-us per
+request) that claim a second set the same way, the router (`python -m
+router.cli run`), and each peer it finds installed, configured for stickiness
+on the episode-token header. For each proxy in turn it checks that every token
+is routed (to its claiming worker, for the router; to one worker consistently,
+for the peers), then measures:
 
 - serial latency: N requests one after another on one keep-alive connection;
   the added latency is the proxy's p50 minus the direct-to-worker p50 measured
   just before it;
-- throughput and CPU: wrk (or the bundled generator) at C connections; the
+- proxy-bound throughput and CPU: wrk (or the bundled generator) at C
+  connections to the trivial workers, where the proxy is the bottleneck; the
   proxy's CPU time is read from /proc (utime + stime of all its processes)
   before and after, and divided by the requests it forwarded;
-- latency at half of saturation: the bundled generator paced at half the
-  router's saturation rate. The router is measured first, and every peer is
-  then paced at that same rate, so the latencies compare at one offered load.
+- latency at half of saturation: wrk with a think time per connection (or,
+  without wrk, the bundled generator) paced at half the router's proxy-bound
+  rate. The router is measured first, and every peer is then paced at that
+  same rate, so the latencies compare at one offered load;
+- worker-bound throughput: the same closed loop at C connections to the busy
+  workers, which are then the bottleneck (what the issue's throughput target
+  is about). A peer is started a second time, on the busy workers' ports, for
+  it; the tokens sent are the largest subset that this proxy spreads evenly
+  over the workers, so an uneven hash does not make one worker the limit.
 
 It prints a table with ratios to nginx and the issue's targets, and writes
 `bench.json`, `bench.png` (with matplotlib) and, with --profile, the router's
@@ -45,7 +54,7 @@ from subprocess import SubprocessError
 from typing import Any
 
 from bench import load, profile
-from bench.episodes import check_routing, mint_episodes
+from bench.episodes import Episode, balanced_tokens, check_routing, mint_episodes
 from bench.launch import (
     ROOT,
     Child,
@@ -82,6 +91,8 @@ class Settings:
     peer_threads: int = 1  # nginx worker_processes, HAProxy nbthread, Envoy --concurrency
     load_s: float = 10.0
     paced_s: float = 5.0
+    work_us: float = 400.0  # the busy workers' spin per request; 0: no worker-bound run
+    bound_s: float = 5.0  # the worker-bound run's length
     serial_requests: int = 5000
     serial_warmup: int = 500
     peers: tuple[str, ...] = PEERS
@@ -96,6 +107,7 @@ class Settings:
             connections=8,
             load_s=1.0,
             paced_s=1.0,
+            bound_s=1.0,
             serial_requests=300,
             serial_warmup=50,
         )
@@ -116,8 +128,15 @@ class Bench:
         self.settings = settings
         self.folder = folder
         self.episodes = mint_episodes(settings.episodes, settings.workers)
+        # The busy workers' episodes: twice as many, so a balanced subset stays large.
+        self.bound_episodes = (
+            mint_episodes(2 * settings.episodes, settings.workers, "b", "bound")
+            if settings.work_us > 0
+            else []
+        )
         self.router: Child | None = None
         self.workers: list[Child] = []
+        self.busy: list[Child] = []  # the workers that spin work_us per request
         self.wrk = shutil.which("wrk") if settings.use_wrk else None
         self.paced_rate: float | None = None  # half the router's saturation, once measured
         self.direct_p50s: list[float] = []
@@ -133,22 +152,30 @@ class Bench:
         config.write_text(router_config(port, free_port(), control))
         self.router = start_router(config, port, folder / "router.log")
         for w in range(self.settings.workers):
-            worker_id = f"w{w}"
-            keys = [e.key for e in self.episodes if e.worker == worker_id]
-            keys_path = folder / f"{worker_id}.keys.json"
-            keys_path.write_text(json.dumps(keys))
-            log_path = folder / f"{worker_id}.log"
-            self.workers.append(start_worker(worker_id, f"unix:{control}", keys_path, log_path))
+            self.workers.append(self._start_worker(f"w{w}", self.episodes, 0.0))
+            if self.bound_episodes:
+                busy = self._start_worker(f"b{w}", self.bound_episodes, self.settings.work_us)
+                self.busy.append(busy)
+
+    def _start_worker(self, worker_id: str, episodes: list[Episode], work_us: float) -> Child:
+        """A worker that claims its share of `episodes` over the router's control socket."""
+        keys = [e.key for e in episodes if e.worker == worker_id]
+        keys_path = self.folder / f"{worker_id}.keys.json"
+        keys_path.write_text(json.dumps(keys))
+        log_path = self.folder / f"{worker_id}.log"
+        control = f"unix:{self.folder / 'control.sock'}"
+        return start_worker(worker_id, control, keys_path, log_path, work_us)
 
     def stop(self) -> None:
-        for child in [*self.workers, *([self.router] if self.router else [])]:
+        for child in [*self.workers, *self.busy, *([self.router] if self.router else [])]:
             child.stop()
 
-    def start_peer(self, name: str, binary: str) -> Child:
+    def start_peer(self, name: str, binary: str, busy: bool = False) -> Child:
+        """Peer `name` forwarding to the trivial workers, or to the busy ones."""
         port = free_port()
-        folder = self.folder / name
+        folder = self.folder / (f"{name}-bound" if busy else name)
         folder.mkdir(exist_ok=True)
-        ports = [w.port for w in self.workers]
+        ports = [w.port for w in (self.busy if busy else self.workers)]
         spec = proxy_spec(name, binary, port, ports, folder, self.settings.peer_threads)
         spec.config_path.write_text(spec.config_text)
         child = start_child(name, spec.argv, folder / f"{name}.log")
@@ -215,16 +242,54 @@ class Bench:
         return figures
 
     def _paced(self, port: int, rate: float, figures: Figures) -> None:
-        """Latency with the bundled generator paced at `rate`."""
+        """Latency at about `rate` requests a second: wrk with a think time per
+        connection (closed loop: see load.wrk_delay_ms), else the bundled generator."""
         s = self.settings
-        paced = load.run_async(
-            load.paced(port, self.requests_for(port), s.connections, s.paced_s, rate)
-        )
+        if self.wrk is not None:
+            script = self.folder / "paced.lua"
+            per_thread = max(1, s.connections // s.wrk_threads)  # wrk splits them so
+            delay_ms = load.wrk_delay_ms(s.connections, rate)
+            tokens = [e.token for e in self.episodes]
+            script.write_text(load.paced_wrk_script(tokens, per_thread, delay_ms))
+            paced = load.run_wrk(
+                self.wrk, port, str(script), s.connections, s.wrk_threads, s.paced_s, rate
+            )
+        else:
+            paced = load.run_async(
+                load.paced(port, self.requests_for(port), s.connections, s.paced_s, rate)
+            )
+        figures.paced_tool = paced.tool
         figures.paced_rate_asked = rate
         figures.paced_errors = paced.errors
         if paced.requests:
             figures.paced_rps = paced.rps
             figures.paced_p50_us, figures.paced_p99_us = paced.p50_us, paced.p99_us
+
+    def bound(self, name: str, proxy: Child, figures: Figures) -> None:
+        """The worker-bound run: C connections through `proxy`, already started on the
+        busy workers, with the tokens it spreads evenly over them; fills `figures`."""
+        s = self.settings
+        port = proxy.port
+        answered = check_routing(name, port, self.bound_episodes)
+        tokens = balanced_tokens([e.token for e in self.bound_episodes], answered, s.workers)
+        figures.bound_tokens = len(tokens)
+        before = proxy.cpu_seconds()
+        busy_before = sum(w.cpu_seconds() for w in self.busy)
+        if self.wrk is not None:
+            script = self.folder / "bound.lua"
+            script.write_text(load.wrk_script(tokens))
+            result = load.run_wrk(
+                self.wrk, port, str(script), s.connections, s.wrk_threads, s.bound_s
+            )
+        else:
+            requests = [load.build_request(token, port) for token in tokens]
+            result = load.run_async(load.closed_loop(port, requests, s.connections, s.bound_s))
+        figures.bound_proxy_cores = (proxy.cpu_seconds() - before) / result.seconds
+        busy_used = sum(w.cpu_seconds() for w in self.busy) - busy_before
+        figures.bound_worker_cores = busy_used / result.seconds
+        figures.bound_requests = result.requests
+        figures.bound_errors = result.errors
+        figures.bound_rps = result.rps
 
     def profile_router(self, out: Path) -> str:
         """Samples the router with py-spy under load; returns the hotspot table or why not."""
@@ -265,21 +330,52 @@ def machine_facts() -> dict[str, Any]:
     }
 
 
+_FAILURES = (RuntimeError, OSError, ValueError, KeyError, SubprocessError, HTTPException)
+
+
 def _measure_target(
-    bench: Bench, name: str, start: Callable[[], Child], stop: bool, say: Callable[[str], None]
+    bench: Bench,
+    name: str,
+    start: Callable[[bool], Child],
+    stop: bool,
+    say: Callable[[str], None],
 ) -> Figures:
+    """Every figure of one proxy: `start(busy)` starts it on the trivial workers
+    (False) or on the busy ones (True); `stop`: whether it is stopped after each."""
     say(f"measuring {name} ...")
     try:
-        proxy = start()
+        proxy = start(False)
     except (StartFailure, OSError) as exc:
         return Figures(name=name, status="failed", reason=f"did not start: {exc}")
     try:
-        return bench.measure(name, proxy)
-    except (RuntimeError, OSError, ValueError, KeyError, SubprocessError, HTTPException) as exc:
+        figures = bench.measure(name, proxy)
+    except _FAILURES as exc:
         return Figures(name=name, status="failed", reason=f"{type(exc).__name__}: {exc}")
     finally:
         if stop:
             proxy.stop()
+    if bench.busy:
+        say(f"measuring {name}, worker-bound ...")
+        figures.bound_problem = _measure_bound(bench, name, start, stop, figures)
+    return figures
+
+
+def _measure_bound(
+    bench: Bench, name: str, start: Callable[[bool], Child], stop: bool, figures: Figures
+) -> str:
+    """Runs `bench.bound`; returns "" or why it failed (the other figures stand)."""
+    try:
+        proxy = start(True)
+    except (StartFailure, OSError) as exc:
+        return f"did not start: {exc}"
+    try:
+        bench.bound(name, proxy, figures)
+    except _FAILURES as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        if stop:
+            proxy.stop()
+    return ""
 
 
 def run_benchmark(settings: Settings, out: Path, say: Callable[[str], None] = print) -> Run:
@@ -294,7 +390,7 @@ def run_benchmark(settings: Settings, out: Path, say: Callable[[str], None] = pr
             run.settings["load_tool"] = "wrk" if bench.wrk else "bundled"
             router = bench.router
             assert router is not None
-            measured = _measure_target(bench, "router", lambda: router, False, say)
+            measured = _measure_target(bench, "router", lambda _busy: router, False, say)
             bench.paced_rate = measured.rps / 2 if measured.rps else None
             found = {name: find_peer(name) for name in settings.peers}
             for name in settings.peers:
@@ -366,6 +462,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--peer-threads", type=int, default=None, help="threads per peer (1)")
     parser.add_argument("--no-wrk", action="store_true", help="use the bundled load generator")
     parser.add_argument(
+        "--work-us",
+        type=float,
+        default=None,
+        help="the busy workers' spin per request, for the worker-bound throughput "
+        "(default 400; 0: no worker-bound run)",
+    )
+    parser.add_argument(
         "--profile", type=float, default=0.0, metavar="SECONDS", help="py-spy the router"
     )
     parser.add_argument("--no-native", action="store_true", help="profile Python frames only")
@@ -386,6 +489,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "profile_s": args.profile,
         "native_profile": not args.no_native,
     }
+    if args.work_us is not None:
+        if args.work_us < 0:
+            raise ValueError("--work-us must not be negative")
+        changes["work_us"] = args.work_us
     for option, name in (
         ("workers", "workers"),
         ("connections", "connections"),

@@ -8,12 +8,14 @@ router alone otherwise. `EPISODE_ROUTER_BENCH=1` adds the full-size runs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +25,30 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # bench/ is a folder of the repository, not an installed package
 
-from bench.load import ReplyParser, build_request, parse_wrk, percentile, wrk_script  # noqa: E402
+from bench.episodes import balanced_tokens, mint_episodes  # noqa: E402
+from bench.load import (  # noqa: E402
+    ReplyParser,
+    build_request,
+    paced_wrk_script,
+    parse_wrk,
+    percentile,
+    wrk_delay_ms,
+    wrk_script,
+)
 from bench.peers import envoy_config, haproxy_config, nginx_config  # noqa: E402
 from bench.procstat import parse_stat, parse_status_kib  # noqa: E402
 from bench.profile import by_package, top_functions  # noqa: E402
-from bench.report import Figures, Run, check_targets, fill_ratios, format_table, to_json  # noqa: E402
+from bench.report import (  # noqa: E402
+    Figures,
+    Run,
+    check_targets,
+    fill_ratios,
+    format_table,
+    legend,
+    to_json,
+)
+from bench.run import Settings, _parser, settings_from_args  # noqa: E402
+from bench.worker import spin  # noqa: E402
 
 FULL = os.environ.get("EPISODE_ROUTER_BENCH") == "1"
 QUICK_TIMEOUT_S = 120
@@ -114,6 +135,85 @@ def test_wrk_script_cycles_through_every_token() -> None:
     assert 'local body = [[{"a": 1}]]' in script
 
 
+def test_paced_wrk_think_time_is_connections_over_rate_in_milliseconds() -> None:
+    assert wrk_delay_ms(32, 4000.0) == 8.0
+    assert wrk_delay_ms(8, 3200.0) == 2.5
+    assert wrk_delay_ms(1, 1000.0) == 1.0
+    with pytest.raises(ValueError, match="must be positive"):
+        wrk_delay_ms(8, 0.0)
+    with pytest.raises(ValueError, match="must be positive"):
+        wrk_delay_ms(0, 100.0)
+
+
+def test_paced_wrk_script_staggers_first_requests_and_carries_the_fraction() -> None:
+    base = wrk_script(["t1", "t2"], b'{"a": 1}')
+    script = paced_wrk_script(["t1", "t2"], 4, 2.5, b'{"a": 1}')
+    assert script.startswith(base)
+    assert script[len(base) :] == (
+        "local delay_ms = 2.500000\n"
+        "local connections = 4\n"
+        "local started = 0\n"
+        "local owed = 0.0\n"
+        "function delay()\n"
+        "  if started < connections then\n"
+        "    started = started + 1\n"
+        "    return math.floor((started - 1) * delay_ms / connections)\n"
+        "  end\n"
+        "  owed = owed + delay_ms\n"
+        "  local whole = math.floor(owed)\n"
+        "  owed = owed - whole\n"
+        "  return whole\n"
+        "end\n"
+    )
+    assert "function delay()" not in base  # the saturation script never waits
+    with pytest.raises(ValueError, match="bad pacing"):
+        paced_wrk_script(["t1"], 0, 2.5)
+
+
+def test_a_paced_wrk_report_keeps_the_rate_asked_beside_the_rate_achieved() -> None:
+    # The parse is the saturation run's; run_wrk only records the rate asked.
+    result = parse_wrk(WRK_REPORT)
+    assert result.rate_asked is None
+    assert dataclasses.replace(result, rate_asked=2500.0).rps == 11885.0
+
+
+def test_two_episode_sets_claim_different_keys_for_different_workers() -> None:
+    trivial = mint_episodes(4, 2)
+    busy = mint_episodes(4, 2, "b", "bound")
+    assert [e.worker for e in trivial] == ["w0", "w1", "w0", "w1"]
+    assert [e.worker for e in busy] == ["b0", "b1", "b0", "b1"]
+    assert not {e.key for e in trivial} & {e.key for e in busy}
+    assert len({e.token for e in [*trivial, *busy]}) == 8
+
+
+def test_balanced_tokens_keep_as_many_per_worker_in_their_order() -> None:
+    tokens = ["a", "b", "c", "d", "e", "f", "g"]
+    answered = ["w0", "w0", "w1", "w0", "w1", "w0", "w0"]
+    assert balanced_tokens(tokens, answered, 2) == ["a", "b", "c", "e"]
+    assert balanced_tokens(["a", "b"], ["w1", "w0"], 2) == ["a", "b"]
+    with pytest.raises(RuntimeError, match="reach 1 of 2 workers"):
+        balanced_tokens(["a", "b"], ["w0", "w0"], 2)
+    with pytest.raises(ValueError, match="2 tokens but 1 answers"):
+        balanced_tokens(["a", "b"], ["w0"], 2)
+
+
+def test_a_busy_worker_spins_at_least_the_time_asked() -> None:
+    started = time.perf_counter()
+    spin(0.002)
+    assert time.perf_counter() - started >= 0.002
+    spin(0.0)  # returns at once
+
+
+def test_work_us_option_sets_the_worker_bound_run_or_turns_it_off() -> None:
+    assert Settings().work_us == 400.0 and Settings().bound_s == 5.0
+    assert Settings.quick().bound_s == 1.0
+    quick = settings_from_args(_parser().parse_args(["--quick", "--work-us", "250"]))
+    assert (quick.work_us, quick.bound_s, quick.connections) == (250.0, 1.0, 8)
+    assert settings_from_args(_parser().parse_args(["--work-us", "0"])).work_us == 0.0
+    with pytest.raises(ValueError, match="--work-us must not be negative"):
+        settings_from_args(_parser().parse_args(["--work-us", "-1"]))
+
+
 def test_proc_stat_is_read_past_a_command_name_with_spaces_and_parentheses() -> None:
     fields = " ".join(str(n) for n in range(5, 53))  # field n holds n: utime is 14, stime 15
     stat = parse_stat(f"4242 (nginx: worker (x)) S 17 {fields}")
@@ -182,9 +282,16 @@ def test_samples_are_charged_to_gc_epoll_libc_or_the_innermost_python_package() 
     assert by_package("") == []
 
 
-def _figures(name: str, cpu: float, rps: float, added: float, half_p99: float) -> Figures:
+def _figures(
+    name: str, cpu: float, rps: float, added: float, half_p99: float, bound: float | None = None
+) -> Figures:
     return Figures(
-        name=name, cpu_us_per_request=cpu, rps=rps, added_p50_us=added, paced_p99_us=half_p99
+        name=name,
+        cpu_us_per_request=cpu,
+        rps=rps,
+        added_p50_us=added,
+        paced_p99_us=half_p99,
+        bound_rps=bound,
     )
 
 
@@ -193,8 +300,8 @@ def test_ratios_and_targets_against_nginx_in_the_same_run() -> None:
         settings={},
         machine={"cpus": 2},
         figures=[
-            _figures("nginx", 50.0, 10000.0, 100.0, 900.0),
-            _figures("router", 70.0, 9500.0, 130.0, 1200.0),
+            _figures("nginx", 50.0, 10000.0, 100.0, 900.0, 4000.0),
+            _figures("router", 70.0, 5000.0, 130.0, 1200.0, 3800.0),
             Figures(name="envoy", status="skipped", reason="not installed"),
         ],
     )
@@ -203,24 +310,87 @@ def test_ratios_and_targets_against_nginx_in_the_same_run() -> None:
     router = run.figures[1]
     assert router.ratios == {
         "cpu": pytest.approx(1.4),
-        "rps": pytest.approx(0.95),
+        "rps": pytest.approx(0.5),
+        "bound_rps": pytest.approx(0.95),
         "added_p50": pytest.approx(1.3),
     }
+    # The throughput target reads the worker-bound ratio (95%), not the proxy-bound one (50%).
     assert [check.met for check in run.targets] == [True, False, False, True]
     table = format_table(run)
     assert "skipped: envoy: not installed" in table
     assert "NOT met  serial added latency p50 <= 1.2x nginx: 1.30x" in table
+    assert (
+        "met      throughput >= 90% of nginx, workers the bottleneck: 95.0% (worker-bound rps)"
+        in table
+    )
     data = json.loads(to_json(run))
     assert data["skipped"] == {"envoy": "not installed"}
     assert [p["name"] for p in data["proxies"]] == ["nginx", "router", "envoy"]
+    assert data["proxies"][1]["ratios"]["bound_rps"] == pytest.approx(0.95)
+
+
+def test_a_proxy_fast_alone_but_slow_with_busy_workers_misses_the_throughput_target() -> None:
+    run = Run(
+        settings={},
+        machine={},
+        figures=[
+            _figures("nginx", 50.0, 10000.0, 100.0, 900.0, 4000.0),
+            _figures("router", 50.0, 12000.0, 100.0, 900.0, 3000.0),
+        ],
+    )
+    fill_ratios(run)
+    [throughput] = [c for c in check_targets(run) if c.target.startswith("throughput")]
+    assert (throughput.met, throughput.measured) == (False, "75.0% (worker-bound rps)")
+
+
+def test_the_paced_target_says_the_rate_achieved_and_the_tool() -> None:
+    router = _figures("router", 70.0, 9000.0, 130.0, 812.4)
+    router.paced_rps, router.paced_tool = 4321.0, "wrk"
+    checks = check_targets(Run(settings={}, machine={}, figures=[router]))
+    assert (checks[2].met, checks[2].measured) == (True, "812 us at 4,321 rps (wrk)")
 
 
 def test_without_nginx_the_ratio_targets_are_not_measured() -> None:
-    run = Run(settings={}, machine={}, figures=[_figures("router", 70.0, 9500.0, 130.0, 800.0)])
+    run = Run(
+        settings={},
+        machine={},
+        figures=[_figures("router", 70.0, 9500.0, 130.0, 800.0, 3000.0)],
+    )
     fill_ratios(run)
     checks = check_targets(run)
     assert [check.met for check in checks] == [None, None, True, None]
     assert checks[0].measured == "not measured (nginx skipped)"
+    assert checks[3].measured == "not measured (nginx skipped)"
+    no_bound = Run(
+        settings={}, machine={}, figures=[_figures("router", 70.0, 9500.0, 130.0, 800.0)]
+    )
+    assert check_targets(no_bound)[3].measured == "not measured (no worker-bound run)"
+
+
+def test_the_legend_says_which_rps_is_proxy_bound_and_which_worker_bound() -> None:
+    nginx = _figures("nginx", 20.0, 20000.0, 90.0, 900.0, 3500.0)
+    nginx.bound_proxy_cores, nginx.bound_worker_cores = 0.19, 1.67
+    nginx.paced_tool, nginx.paced_rate_asked = "wrk", 4896.9
+    settings = {"connections": 32, "workers": 2, "work_us": 400.0, "load_tool": "wrk"}
+    assert legend(settings, [nginx]) == [
+        "(latencies in microseconds; added = proxy p50 - direct-to-worker p50;",
+        " rps: proxy-bound: wrk at 32 connections to trivial workers, how fast the proxy alone is;",
+        " worker-bound rps: the same to 2 workers that spin 400 us per request (at most 5,000 rps",
+        "   in all), so the workers are the bottleneck: the throughput target's figure;",
+        "   cores used meanwhile (proxy / workers): nginx 0.19 / 1.67;",
+        " paced: every proxy asked for half the router's proxy-bound rps (4,897), paced rps"
+        " achieved;",
+        "   by wrk, each connection waiting C/rate before each request (closed loop))",
+    ]
+    others = [dataclasses.replace(nginx, name=name) for name in ("haproxy", "envoy", "router")]
+    assert legend(settings, [nginx, *others])[4:6] == [
+        "   cores used meanwhile (proxy / workers): nginx 0.19 / 1.67, haproxy 0.19 / 1.67,",
+        "     envoy 0.19 / 1.67, router 0.19 / 1.67;",
+    ]
+    nginx.paced_tool = "bundled"
+    off = legend({"connections": 8, "work_us": 0}, [nginx])
+    assert " worker-bound rps: not measured (--work-us 0);" in off
+    assert off[-1] == "   by the bundled generator, each connection on a fixed schedule)"
 
 
 # --- quick runs ------------------------------------------------------------------------------
@@ -264,13 +434,26 @@ def test_quick_harness_measures_the_router_and_nginx_when_installed(tmp_path: Pa
     assert router["load_errors"] == 0 and router["paced_errors"] == 0
     assert router["serial_p50_us"] <= router["serial_p99_us"]
     _positive(proxies["direct"], "serial_p50_us")
-    assert [t["target"] for t in data["targets"]][2].startswith("p99 <= 1000 us")
+    targets = [t["target"] for t in data["targets"]]
+    assert targets[2].startswith("p99 <= 1000 us")
+    assert targets[3] == "throughput >= 90% of nginx, workers the bottleneck"
+    for name in proxies.keys() - {"direct"}:
+        figures = proxies[name]
+        assert figures["bound_problem"] == "", figures["bound_problem"]
+        _positive(figures, "bound_rps", "bound_requests", "bound_tokens", "bound_worker_cores")
+        assert figures["bound_errors"] == 0
+    assert router["bound_tokens"] == 32  # 2 x 16 episodes, dealt evenly: all of them
+    if shutil.which("wrk"):
+        assert router["paced_tool"] == "wrk"
+        # The think time holds wrk under the rate asked (without it wrk would saturate).
+        assert router["paced_rps"] <= 1.1 * router["paced_rate_asked"]
     if peers:
         nginx = proxies["nginx"]
         assert nginx["status"] == "ok", nginx["reason"]
         _positive(nginx, "cpu_us_per_request", "rps", "serial_p50_us")
         assert nginx["processes"] >= 2  # the master and its worker, summed
         assert router["ratios"]["cpu"] > 0 and router["ratios"]["rps"] > 0
+        assert router["ratios"]["bound_rps"] > 0
     assert "router" in done.stdout and "targets (router):" in done.stdout
 
 
