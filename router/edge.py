@@ -599,8 +599,8 @@ class EdgeConnection(asyncio.Protocol):
         self,
         request: PublicRequest,
         status: int,
-        reason: str,
-        headers: Iterable[tuple[str, str]],
+        reason: bytes,
+        headers: Iterable[tuple[bytes, bytes]],
         body: bytes,
     ) -> None:
         """A relayed reply whose body is all here: head and body in one write."""
@@ -618,8 +618,8 @@ class EdgeConnection(asyncio.Protocol):
         self,
         request: PublicRequest,
         status: int,
-        reason: str,
-        headers: Iterable[tuple[str, str]],
+        reason: bytes,
+        headers: Iterable[tuple[bytes, bytes]],
         first: bytes,
     ) -> None:
         """The head of a streamed reply, with the body bytes already here (b"": the head
@@ -682,8 +682,8 @@ class EdgeConnection(asyncio.Protocol):
         self,
         request: PublicRequest,
         status: int,
-        reason: str,
-        headers: Iterable[tuple[str, str]],
+        reason: bytes,
+        headers: Iterable[tuple[bytes, bytes]],
     ) -> tuple[bytes, BodyFraming]:
         keep_alive = request.keep_alive and not self._closing and request.body_complete
         head, framing, keep_alive = reply_head(

@@ -27,6 +27,7 @@ __all__ = [
     "ReplyObserver",
     "Upstream",
     "UpstreamFailure",
+    "relayed_reply_headers",
     "reply_headers_for_client",
     "request_headers_for_worker",
     "rewrite_location",
@@ -206,20 +207,42 @@ def reply_headers_for_client(
     Drops hop-by-hop headers and those Connection names; rewrites a Location or
     Content-Location naming `private_origin` to `public_base` when one is given.
     Everything else, repeated Set-Cookie included, passes unchanged and in order.
+    (The text form of `relayed_reply_headers`, which the relay uses on the bytes.)
     """
-    items = worker_headers if isinstance(worker_headers, list) else list(worker_headers)
-    roles = [_REPLY_ROLES.get(name) or _reply_role(name) for name, _ in items]
+    # surrogatepass: any text goes to bytes and back unchanged, whatever it holds.
+    raw = [
+        (n.encode("utf-8", "surrogatepass"), v.encode("utf-8", "surrogatepass"))
+        for n, v in worker_headers
+    ]
+    kept = relayed_reply_headers(raw, private_origin=private_origin, public_base=public_base)
+    return [
+        (n.decode("utf-8", "surrogatepass"), v.decode("utf-8", "surrogatepass")) for n, v in kept
+    ]
+
+
+def relayed_reply_headers(
+    worker_headers: list[tuple[bytes, bytes]],
+    *,
+    private_origin: str,
+    public_base: str | None,
+) -> list[tuple[bytes, bytes]]:
+    """`reply_headers_for_client` on the bytes of the header pairs, as llhttp gave them:
+    the rules of each name are worked out once (a bytes-keyed cache), and only a
+    Location to rewrite is decoded."""
+    roles = [_REPLY_ROLES.get(name) or _reply_role(name) for name, _ in worker_headers]
     if _REPLY_CONNECTION in roles:
         # The names Connection lists are dropped too: roles for this reply alone.
-        named = _connection_named(items)
-        roles = [_reply_role_named(name.lower(), named) for name, _ in items]
+        named = _connection_named([(_text(n), _text(v)) for n, v in worker_headers])
+        roles = [_reply_role_named(_text(n).lower(), named) for n, _ in worker_headers]
     out = []
-    for (name, value), role in zip(items, roles, strict=True):
+    for pair, role in zip(worker_headers, roles, strict=True):
         if role == _REPLY_KEEP:
-            out.append((name, value))
+            out.append(pair)
         elif role == _REPLY_LOCATION:
+            name, value = pair
             if public_base is not None:
-                value = rewrite_location(value, private_origin, public_base)
+                rewritten = rewrite_location(_text(value), private_origin, public_base)
+                value = rewritten.encode("utf-8", "surrogateescape")
             out.append((name, value))
     return out
 
@@ -228,7 +251,7 @@ def reply_headers_for_client(
 # name (bounded: invented names cannot grow it), per reply only with a Connection
 # header. A lower() and three rule checks per header per reply before (bench.hotpath).
 _REPLY_KEEP, _REPLY_DROP, _REPLY_LOCATION, _REPLY_CONNECTION = 1, 2, 3, 4
-_REPLY_ROLES: dict[str, int] = {}
+_REPLY_ROLES: dict[bytes, int] = {}
 _MAX_REPLY_ROLES = 4096
 
 
@@ -238,8 +261,13 @@ def _reply_role_named(lower: str, named: frozenset[str]) -> int:
     return _REPLY_LOCATION if lower in _REWRITTEN_REPLY_HEADERS else _REPLY_KEEP
 
 
-def _reply_role(name: str) -> int:
-    role = _reply_role_named(name.lower(), _NONE_NAMED)
+def _text(data: bytes) -> str:
+    """Header bytes as text, any bytes at all (surrogate escapes give them back)."""
+    return data.decode("utf-8", "surrogateescape")
+
+
+def _reply_role(name: bytes) -> int:
+    role = _reply_role_named(_text(name).lower(), _NONE_NAMED)
     if len(_REPLY_ROLES) < _MAX_REPLY_ROLES:
         _REPLY_ROLES[name] = role
     return role

@@ -30,6 +30,7 @@ from router.forward import (
     ReplyObserver,
     Upstream,
     UpstreamFailure,
+    relayed_reply_headers,
     reply_headers_for_client,
     request_headers_for_worker,
     rewrite_location,
@@ -478,7 +479,7 @@ class Forwarder:
         reply = conn.reply
         if observer is not None:
             await self._observe(conn, observer)
-        status, reason = reply.status, reply.reason
+        status, reason = reply.status, reply.raw_reason
         request = exchange.request
         length = reply.content_length
         if reply.complete or (length is not None and length <= WHOLE_BODY_MAX):
@@ -511,7 +512,7 @@ class Forwarder:
         body = conn.take_body()
         exchange.settle(clean=True)  # before the client write: the reply is all in
         request = exchange.request
-        request.client.reply_whole(request, reply.status, reply.reason, headers, body)
+        request.client.reply_whole(request, reply.status, reply.raw_reason, headers, body)
         return reply.status
 
     async def _whole_reply(self, conn: WorkerConnection) -> str | None:
@@ -553,12 +554,12 @@ def _body_failure(broken: BodyBroken, *, request_sent: bool) -> UpstreamFailure:
     return UpstreamFailure("client_left", broken.reason, request_sent=request_sent)
 
 
-def _client_headers(exchange: _Exchange, public_base: str | None) -> list[tuple[str, str]]:
+def _client_headers(exchange: _Exchange, public_base: str | None) -> list[tuple[bytes, bytes]]:
     """The reply's headers as the client gets them."""
     conn = exchange.conn
     assert conn is not None
-    return reply_headers_for_client(
-        conn.reply.headers,
+    return relayed_reply_headers(
+        conn.reply.raw_headers,
         private_origin=exchange.pool.address.private_origin,
         public_base=public_base,
     )

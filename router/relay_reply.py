@@ -25,8 +25,8 @@ log = logging.getLogger("episode_router.forward")
 
 CLIENT_GONE = "the client went away"
 
-# status, reason, the headers for the client
-ReplyHead = tuple[int, str, Iterable[tuple[str, str]]]
+# status, reason, the headers for the client (the worker's bytes)
+ReplyHead = tuple[int, bytes, Iterable[tuple[bytes, bytes]]]
 
 
 def send_cut(request: PublicRequest, head: ReplyHead, body: bytes, why: str, idle_s: float) -> None:

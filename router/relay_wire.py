@@ -224,8 +224,9 @@ class ReplyParser:
 
     Call `begin()` before each request, then `feed()` the bytes as they arrive and
     `feed_eof()` when the worker closes. State, read after each call:
-    - `head_done`: the final (non-1xx) reply head is in: `status`, `reason`, `headers`
-      (name, value pairs, in order, repeats kept), `content_length`;
+    - `head_done`: the final (non-1xx) reply head is in: `status`, `reason`,
+      `raw_headers` (name, value pairs as bytes, in order, repeats kept; `headers`
+      decodes them), `content_length`;
     - `chunks`/`buffered`: body bytes not yet taken (`take_body()`);
     - `complete`: the reply ended; `reusable`: the connection may carry another exchange;
     - `broken`: why the reply cannot be relayed (before the head) or finished (after it).
@@ -235,6 +236,7 @@ class ReplyParser:
 
     __slots__ = (
         "_head_request",
+        "_headers",
         "_interim",
         "_parser",
         "_parser_spent",
@@ -247,7 +249,8 @@ class ReplyParser:
         "content_length",
         "head_bytes",
         "head_done",
-        "headers",
+        "raw_headers",
+        "raw_reason",
         "reason",
         "received",
         "reusable",
@@ -277,12 +280,29 @@ class ReplyParser:
         self.content_length: int | None = None
         self.head_bytes = 0
         self.head_done = False
-        self.headers: list[tuple[str, str]] = []
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self._headers: list[tuple[str, str]] | None = None
         self.reason = ""
+        self.raw_reason = b""
         self._reason = b""
         self.received = 0
         self.reusable = False
         self.status = 0
+
+    @property
+    def headers(self) -> list[tuple[str, str]]:
+        """`raw_headers` as text: names as latin-1, values as UTF-8 with surrogate escapes
+        (encoding them back gives the exact bytes). Decoded on first use: the relay
+        works on the bytes (2 decodes per header per reply saved)."""
+        headers = self._headers
+        if headers is None:
+            headers = [
+                (name.decode("latin-1"), value.decode("utf-8", "surrogateescape"))
+                for name, value in self.raw_headers
+            ]
+            if self.head_done:
+                self._headers = headers
+        return headers
 
     @property
     def until_close(self) -> bool:
@@ -358,14 +378,13 @@ class ReplyParser:
         if len(name) + len(value) > MAX_REPLY_FIELD:
             self.broken = f"invalid reply: a header line over {MAX_REPLY_FIELD // 1024} KiB"
             raise ValueError(self.broken)
-        text = value.decode("utf-8", "surrogateescape")
         size = len(name)
         # Only two names matter here; their lengths rule most names out without lower().
         if size == 14 and name.lower() == b"content-length":
             self.content_length = int(value)  # llhttp has checked it is one decimal number
         elif size == 17 and name.lower() == b"transfer-encoding":
-            self._transfer_encoding = text
-        self.headers.append((name.decode("latin-1"), text))
+            self._transfer_encoding = value.decode("utf-8", "surrogateescape")
+        self.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
@@ -376,12 +395,13 @@ class ReplyParser:
             # An interim reply (100 Continue, 103 Early Hints) is never relayed: the
             # router already answered Expect itself, and the final head follows.
             self._interim = True
-            self.headers = []
+            self.raw_headers = []
             self._reason = b""
             self.content_length = None
             self._transfer_encoding = None
             return
         self.status = status
+        self.raw_reason = self._reason
         self.reason = self._reason.decode("utf-8", "surrogateescape")  # as header values
         self.head_done = True
         if self._head_request:
