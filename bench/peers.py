@@ -33,7 +33,9 @@ __all__ = [
 ]
 
 TOKEN_HEADER = "X-NeMo-Gym-Episode-Token"
-PEERS = ("nginx", "haproxy", "envoy")  # in the order the table shows them
+# In the order the table shows them. `floor` is bench/floor.py, a reference row, not a
+# peer: about the least a Python proxy on the router's stack can spend per request.
+PEERS = ("nginx", "haproxy", "envoy", "floor")
 # How each peer is installed when missing (`--install`), and how a person installs it.
 INSTALL_HINT = {
     "nginx": "apt-get install nginx",
@@ -240,6 +242,11 @@ def proxy_spec(
             "warn",
         )
         return ProxySpec(name, argv, path, envoy_config(port, worker_ports))
+    if name == "floor":
+        path = folder / "floor.args"  # it takes no config: its arguments, for the record
+        workers = [arg for p in worker_ports for arg in ("--worker", f"127.0.0.1:{p}")]
+        floor_argv = (binary, "-m", "bench.floor", "--port", str(port), *workers)
+        return ProxySpec(name, floor_argv, path, " ".join(floor_argv[1:]) + "\n")
     raise ValueError(f"unknown peer {name!r}; expected one of {', '.join(PEERS)}")
 
 
@@ -268,6 +275,8 @@ def _version_text(binary: str, flag: str) -> str:
 
 def find_peer(name: str) -> Found:
     """The peer's binary when it is installed and runs, else the reason it is skipped."""
+    if name == "floor":
+        return Found(name, sys.executable)  # bench/floor.py, on this interpreter
     binary = _which(name)
     hint = INSTALL_HINT[name]
     if binary is None:
