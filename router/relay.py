@@ -126,20 +126,23 @@ class _Lane:
         the head is still arriving, and hands anything else to `Forwarder._resume`."""
         exchange = self.exchange
         conn = exchange.conn
+        status: int | None = None
         try:
             if conn is not None:
                 reply = conn.reply
                 if reply.complete:
-                    self.on_done(self.forwarder._send_whole(exchange, self.public_base))
-                    return
-                if outcome == WOKE and not reply.head_done and reply.broken is None:
+                    status = self.forwarder._send_whole(exchange, self.public_base)
+                elif outcome == WOKE and not reply.head_done and reply.broken is None:
                     conn.listen(self.woke, exchange.deadline)
                     return
         except Exception as exc:  # a bug: the caller's task logs it and drops the client
             exchange.settle(clean=False)
             self.on_done(_raise(exc))
             return
-        self.on_done(self.forwarder._resume(exchange, self.message, self.public_base))
+        if status is not None:
+            self.on_done(status)
+        else:
+            self.on_done(self.forwarder._resume(exchange, self.message, self.public_base))
 
 
 async def _raise(exc: Exception) -> int:
