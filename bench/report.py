@@ -73,6 +73,11 @@ class Figures:
     bound_worker_cores: float | None = None  # the busy workers' CPU seconds per second, summed
     bound_problem: str = ""  # why the worker-bound run failed, when it did
     rss_mib: float | None = None
+    # Every round's CPU µs per request and proxy-bound rps (the columns show the medians);
+    # the rounds run interleaved, every proxy once per round.
+    cpu_rounds: list[float] = field(default_factory=list)
+    rps_rounds: list[float] = field(default_factory=list)
+    cpu_ratio_rounds: list[float] = field(default_factory=list)  # to nginx's, round by round
     ratios: dict[str, float | None] = field(default_factory=dict)
 
 
@@ -113,6 +118,12 @@ def fill_ratios(run: Run) -> None:
     for figures in run.figures:
         if figures.status != "ok" or figures.name == DIRECT:
             continue
+        if base is not None and len(base.cpu_rounds) == len(figures.cpu_rounds):
+            figures.cpu_ratio_rounds = [
+                mine / theirs
+                for mine, theirs in zip(figures.cpu_rounds, base.cpu_rounds, strict=True)
+                if theirs > 0
+            ]
         figures.ratios = {
             "cpu": ratio(figures.cpu_us_per_request, base.cpu_us_per_request if base else None),
             "rps": ratio(figures.rps, base.rps if base else None),
@@ -252,6 +263,19 @@ def legend(settings: Mapping[str, Any], figures: Sequence[Figures]) -> list[str]
         f" rps: proxy-bound: {tool} at {connections} connections to trivial workers,"
         " how fast the proxy alone is;",
     ]
+    rounds = settings.get("rounds") or 1
+    if isinstance(rounds, int) and rounds > 1:
+        spread = [
+            f"{f.name} " + " ".join(f"{r:.2f}" for r in f.cpu_ratio_rounds)
+            for f in measured
+            if f.name != BASELINE and f.cpu_ratio_rounds
+        ]
+        lines.append(
+            f" CPU us/req and proxy-bound rps: medians of {rounds} rounds, every proxy once"
+            " a round;"
+        )
+        if spread:
+            lines += _wrapped("   CPU x nginx round by round: ", spread, ";")
     if work_us > 0 and isinstance(workers, int):
         ceiling = workers * 1e6 / work_us
         lines += [

@@ -46,7 +46,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from http.client import HTTPException
 from pathlib import Path
@@ -92,6 +92,9 @@ class Settings:
     load_s: float = 10.0
     paced_s: float = 5.0
     work_us: float = 400.0  # the busy workers' spin per request; 0: no worker-bound run
+    # Proxy-bound load runs: every proxy once a round, rounds one after another; CPU per
+    # request and rps are the medians (one shared VM moves a single run by ±15% or more).
+    rounds: int = 3
     bound_s: float = 5.0  # the worker-bound run's length
     serial_requests: int = 5000
     serial_warmup: int = 500
@@ -108,6 +111,7 @@ class Settings:
             load_s=1.0,
             paced_s=1.0,
             bound_s=1.0,
+            rounds=1,
             serial_requests=300,
             serial_warmup=50,
         )
@@ -225,21 +229,29 @@ class Bench:
         figures.added_p50_us = p50 - direct_p50
         figures.added_p99_us = p99 - direct_p99
         figures.processes = len(proxy.pids())
-        before = proxy.cpu_seconds()
-        result = self.saturate(port)
-        used = proxy.cpu_seconds() - before
+        result = self.load_round(proxy, figures)
         figures.load_tool = result.tool
         figures.load_requests = result.requests
         figures.load_errors = result.errors
         figures.load_p50_us, figures.load_p99_us = result.p50_us, result.p99_us
-        figures.rps = result.rps
-        if result.requests:
-            figures.cpu_us_per_request = used / result.requests * 1e6
         rate = self.paced_rate or result.rps / 2
         if rate > 0:
             self._paced(port, rate, figures)
         figures.rss_mib = proxy.rss_bytes() / (1 << 20)
         return figures
+
+    def load_round(self, proxy: Child, figures: Figures) -> load.LoadResult:
+        """One proxy-bound load run: its CPU per request and rps join `figures`' rounds,
+        and the columns become the medians so far."""
+        before = proxy.cpu_seconds()
+        result = self.saturate(proxy.port)
+        used = proxy.cpu_seconds() - before
+        if result.requests:
+            figures.cpu_rounds.append(used / result.requests * 1e6)
+            figures.rps_rounds.append(result.rps)
+            figures.cpu_us_per_request = _median(figures.cpu_rounds)
+            figures.rps = _median(figures.rps_rounds)
+        return result
 
     def _paced(self, port: int, rate: float, figures: Figures) -> None:
         """Latency at about `rate` requests a second: wrk with a think time per
@@ -360,6 +372,28 @@ def _measure_target(
     return figures
 
 
+def _load_round(
+    bench: Bench, measured: Sequence[Figures], starts: Mapping[str, Callable[[bool], Child]]
+) -> None:
+    """One more proxy-bound load run of every proxy measured so far, in the same order."""
+    for figures in measured:
+        start = starts.get(figures.name)
+        if figures.status != "ok" or start is None:
+            continue
+        try:
+            proxy = start(False)
+        except (StartFailure, OSError) as exc:
+            figures.reason = f"a later load round did not start: {exc}"
+            continue
+        try:
+            bench.load_round(proxy, figures)
+        except _FAILURES as exc:
+            figures.reason = f"a later load round failed: {type(exc).__name__}: {exc}"
+        finally:
+            if proxy is not bench.router:
+                proxy.stop()
+
+
 def _measure_bound(
     bench: Bench, name: str, start: Callable[[bool], Child], stop: bool, figures: Figures
 ) -> str:
@@ -393,6 +427,7 @@ def run_benchmark(settings: Settings, out: Path, say: Callable[[str], None] = pr
             measured = _measure_target(bench, "router", lambda _busy: router, False, say)
             bench.paced_rate = measured.rps / 2 if measured.rps else None
             found = {name: find_peer(name) for name in settings.peers}
+            starts: dict[str, Callable[[bool], Child]] = {"router": lambda _busy: router}
             for name in settings.peers:
                 peer = found[name]
                 if peer.binary is None:
@@ -401,7 +436,11 @@ def run_benchmark(settings: Settings, out: Path, say: Callable[[str], None] = pr
                     continue
                 start = functools.partial(bench.start_peer, name, peer.binary)
                 run.figures.append(_measure_target(bench, name, start, True, say))
+                starts[name] = start
             run.figures.append(measured)
+            for round_number in range(2, settings.rounds + 1):
+                say(f"round {round_number} of {settings.rounds}: proxy-bound load ...")
+                _load_round(bench, run.figures, starts)
             if settings.profile_s > 0:
                 say("profiling the router ...")
                 run.notes.append(bench.profile_router(out))
@@ -462,6 +501,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--peer-threads", type=int, default=None, help="threads per peer (1)")
     parser.add_argument("--no-wrk", action="store_true", help="use the bundled load generator")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="proxy-bound load runs per proxy, interleaved; CPU and rps are their medians "
+        "(default 3, 1 with --quick)",
+    )
+    parser.add_argument(
         "--work-us",
         type=float,
         default=None,
@@ -489,6 +535,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "profile_s": args.profile,
         "native_profile": not args.no_native,
     }
+    if args.rounds is not None:
+        if args.rounds < 1:
+            raise ValueError("--rounds must be at least 1")
+        changes["rounds"] = args.rounds
     if args.work_us is not None:
         if args.work_us < 0:
             raise ValueError("--work-us must not be negative")

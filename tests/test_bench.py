@@ -295,6 +295,33 @@ def _figures(
     )
 
 
+def test_rounds_option_sets_the_interleaved_load_runs() -> None:
+    assert (Settings().rounds, Settings.quick().rounds) == (3, 1)
+    assert settings_from_args(_parser().parse_args(["--rounds", "5"])).rounds == 5
+    assert settings_from_args(_parser().parse_args(["--quick", "--rounds", "2"])).rounds == 2
+    with pytest.raises(ValueError, match="--rounds must be at least 1"):
+        settings_from_args(_parser().parse_args(["--rounds", "0"]))
+
+
+def test_cpu_ratios_are_kept_round_by_round_and_the_legend_shows_them() -> None:
+    nginx = _figures("nginx", 20.0, 20000.0, 90.0, 900.0, 3500.0)
+    router = _figures("router", 50.0, 12000.0, 150.0, 1500.0, 3300.0)
+    floor = _figures("floor", 24.0, 19000.0, 100.0, 950.0, 3400.0)
+    nginx.cpu_rounds, router.cpu_rounds = [20.0, 25.0, 22.0], [50.0, 45.0, 66.0]
+    floor.cpu_rounds = [24.0, 30.0]  # a round missing: no round-by-round ratios
+    run = Run(settings={}, machine={"cpus": 2}, figures=[nginx, router, floor])
+    fill_ratios(run)
+    assert router.cpu_ratio_rounds == pytest.approx([2.5, 1.8, 3.0])
+    assert nginx.cpu_ratio_rounds == pytest.approx([1.0, 1.0, 1.0])
+    assert floor.cpu_ratio_rounds == []
+    lines = legend({"connections": 32, "work_us": 0, "rounds": 3}, [nginx, router, floor])
+    assert lines[2:4] == [
+        " CPU us/req and proxy-bound rps: medians of 3 rounds, every proxy once a round;",
+        "   CPU x nginx round by round: router 2.50 1.80 3.00;",
+    ]
+    assert not any("round" in line for line in legend({"rounds": 1}, [nginx, router]))
+
+
 def test_ratios_and_targets_against_nginx_in_the_same_run() -> None:
     run = Run(
         settings={},
@@ -422,6 +449,7 @@ def _positive(figures: dict[str, Any], *names: str) -> None:
 def test_quick_harness_measures_the_router_and_nginx_when_installed(tmp_path: Path) -> None:
     peers = "nginx" if _nginx_installed() else ""
     argv = ["bench.run", "--quick", "--peers", peers, "--duration", "1", "--serial", "200"]
+    argv += ["--rounds", "2"]
     done = _module(*argv, "--out", str(tmp_path), timeout=QUICK_TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads((tmp_path / "bench.json").read_text())
@@ -432,6 +460,9 @@ def test_quick_harness_measures_the_router_and_nginx_when_installed(tmp_path: Pa
     _positive(router, "cpu_us_per_request", "rps", "serial_p50_us", "serial_p99_us", "processes")
     _positive(router, "load_requests", "paced_rps", "paced_p50_us", "paced_p99_us", "rss_mib")
     assert router["load_errors"] == 0 and router["paced_errors"] == 0
+    # Two interleaved load rounds; the CPU column is a median of them (the upper one of two).
+    assert len(router["cpu_rounds"]) == len(router["rps_rounds"]) == 2
+    assert router["cpu_us_per_request"] == max(router["cpu_rounds"])
     assert router["serial_p50_us"] <= router["serial_p99_us"]
     _positive(proxies["direct"], "serial_p50_us")
     targets = [t["target"] for t in data["targets"]]
@@ -454,6 +485,7 @@ def test_quick_harness_measures_the_router_and_nginx_when_installed(tmp_path: Pa
         assert nginx["processes"] >= 2  # the master and its worker, summed
         assert router["ratios"]["cpu"] > 0 and router["ratios"]["rps"] > 0
         assert router["ratios"]["bound_rps"] > 0
+        assert len(router["cpu_ratio_rounds"]) == 2
     assert "router" in done.stdout and "targets (router):" in done.stdout
 
 
