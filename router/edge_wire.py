@@ -113,7 +113,8 @@ def reply_head(
     keep the worker's Content-Length (it describes the resource, RFC 9110 §8.6).
     """
     # Built as bytes from the worker's bytes: no decode and encode of every header
-    # (bench.hotpath: 1.3 µs a reply).
+    # Instructions per routed request (callgrind on bench.hotpath), with the reply's
+    # rules on the bytes too: 244,900 -> 240,700.
     parts = [b"HTTP/1.%d %d %b\r\n" % (1 if version_11 else 0, status, reason)]
     no_body = head_request or status in _NO_BODY_STATUSES or status < 200
     has_length = has_date = False
