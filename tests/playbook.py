@@ -74,11 +74,13 @@ def claim_view(claim: ClaimRecord) -> str:
 def claims_snapshot(table: ClaimTable, known_keys: Iterable[tuple[str, str]] = ()) -> Snapshot:
     """Every held claim and tombstone of `table`, after checking that its indexes agree:
     each record is what `lookup` finds, held claims are in their worker's index and
-    tombstones are not, the counters match, and no key in `known_keys` is found by
-    `lookup` without being one of the records (a leak)."""
+    tombstones are not, the counters (per worker, and per worker and kind) match, and no
+    key in `known_keys` is found by `lookup` without being one of the records (a leak)."""
     snapshot: Snapshot = {}
     per_worker: Counter[str] = Counter()
+    per_worker_kind: Counter[tuple[str, str]] = Counter()
     for claim in table.held():
+        per_worker_kind[claim.worker, claim.kind] += 1
         assert claim.state is ClaimState.HELD, claim
         assert table.lookup(claim.kind, claim.key) is claim, claim
         assert claim in table.held_by(claim.worker), claim
@@ -94,6 +96,8 @@ def claims_snapshot(table: ClaimTable, known_keys: Iterable[tuple[str, str]] = (
         snapshot[C(claim.key, claim.kind)] = claim_view(claim)
     assert table.tombstone_count == len(tombstones)
     assert table.held_total == sum(per_worker.values())
+    # The counts the metrics read, kept as claims change, match a count of the claims.
+    assert table.held_counts_by_kind() == dict(per_worker_kind)
     for worker, count in per_worker.items():
         assert table.held_count(worker) == count == len(table.held_by(worker)), worker
     for kind, key in known_keys:
