@@ -381,7 +381,7 @@ class ControlSession:
 
 
 _REFUSAL_DETAIL = {
-    "conflict": "Another live worker holds this key.",
+    "conflict": "Another worker holds this key (`holder`; it may be lost and in its grace period).",
     "ended": "This key ended; a new attempt needs a new key.",
     "worker_exited": "The worker that held this key exited; a new attempt needs a new key.",
 }
