@@ -13,9 +13,10 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ from router_fixtures import (
 
 from router.config import (
     LimitsConfig,
+    LogConfig,
     SessionKindConfig,
     TimeoutsConfig,
     TokenFormatConfig,
@@ -93,6 +95,63 @@ async def test_a_forwarded_reply_comes_back_unchanged(rig: Rig) -> None:
     assert (body["method"], body["path"], body["body_bytes"]) == ("PUT", "/tools/add?x=1&y=%20", 5)
     assert body["sha256"] == hashlib.sha256(b"12345").hexdigest()
     assert reply.headers["Content-Type"] == "application/json; charset=utf-8"
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def access_records() -> Iterator[list[logging.LogRecord]]:
+    """The access log's records while the test runs."""
+    logger = logging.getLogger("episode_router.access")
+    handler, level = _Records(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler.records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+async def test_the_access_log_has_one_line_per_request_forwarded_or_answered(
+    rig: Rig, access_records: list[logging.LogRecord]
+) -> None:
+    await rig.start_router(log=LogConfig(access=True))
+    worker = await rig.add_worker("w0")
+    await worker.claim("ep-a0")
+    # The first forward opens a worker connection; the second goes on it, without a task.
+    for _ in range(2):
+        reply = await rig.request("POST", "/tools/echo?q=1", episode=token("ep"), data=b"{}")
+        assert reply.status == 200
+    assert (await rig.request("POST", "/tools/x", episode=token("nobody"))).status == 401
+    fields = [vars(record) for record in access_records]  # extras are record attributes
+    lines = [
+        {name: f[name] for name in ("method", "path", "status", "outcome", "kind")} for f in fields
+    ]
+    forwarded = {
+        "method": "POST",
+        "path": "/tools/echo",
+        "status": 200,
+        "outcome": "forwarded",
+        "kind": "episode",
+    }
+    unknown = {
+        "method": "POST",
+        "path": "/tools/x",
+        "status": 401,
+        "outcome": "unknown_episode",
+        "kind": "episode",
+    }
+    assert lines == [forwarded, forwarded, unknown]
+    assert all(f["msg"] == "request" and f["duration_ms"] >= 0 for f in fields)
+    assert {f["client"] for f in fields} == {"127.0.0.1"}
 
 
 # --- worker exited, episode ended ---------------------------------------------------------
