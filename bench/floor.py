@@ -26,7 +26,7 @@ from typing import cast
 import uvloop
 from httptools import HttpParserError, HttpRequestParser, HttpResponseParser
 
-__all__ = ["main"]
+__all__ = ["Floor", "floor_protocol", "main", "serve"]
 
 TOKEN_HEADER = b"x-nemo-gym-episode-token"
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"host", b"content-length"})
@@ -172,6 +172,14 @@ class Floor:
         self._workers = list(workers)
         self._idle: list[list[_Upstream]] = [[] for _ in workers]
 
+    def close(self) -> None:
+        """Closes the idle worker connections."""
+        for idle in self._idle:
+            while idle:
+                upstream = idle.pop()
+                if upstream.transport is not None:
+                    upstream.transport.close()
+
     def send(self, client: _Client, hashed: int, message: bytes) -> None:
         index = hashed % len(self._workers)
         idle = self._idle[index]
@@ -198,11 +206,16 @@ class Floor:
         upstream.transport.write(message)
 
 
+def floor_protocol(floor: Floor) -> asyncio.Protocol:
+    """The protocol of one client connection (for `loop.create_server`)."""
+    return _Client(floor)
+
+
 async def serve(port: int, workers: Sequence[tuple[str, int]]) -> None:
     """Serves on 127.0.0.1:`port` until SIGTERM or SIGINT."""
     loop = asyncio.get_running_loop()
     floor = Floor(workers)
-    server = await loop.create_server(lambda: _Client(floor), "127.0.0.1", port)
+    server = await loop.create_server(lambda: floor_protocol(floor), "127.0.0.1", port)
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)

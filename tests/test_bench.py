@@ -8,6 +8,7 @@ router alone otherwise. `EPISODE_ROUTER_BENCH=1` adds the full-size runs.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -26,6 +27,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # bench/ is a folder of the repository, not an installed package
 
 from bench.episodes import balanced_tokens, mint_episodes  # noqa: E402
+from bench.floor import Floor, floor_protocol  # noqa: E402
 from bench.load import (  # noqa: E402
     ReplyParser,
     build_request,
@@ -418,6 +420,70 @@ def test_the_legend_says_which_rps_is_proxy_bound_and_which_worker_bound() -> No
     off = legend({"connections": 8, "work_us": 0}, [nginx])
     assert " worker-bound rps: not measured (--work-us 0);" in off
     assert off[-1] == "   by the bundled generator, each connection on a fixed schedule)"
+
+
+# --- the floor ------------------------------------------------------------------------------
+
+
+def _header(head: bytes, name: bytes) -> bytes:
+    found = re.search(rb"\r\n" + name + rb": *([^\r]*)", head, re.IGNORECASE)
+    assert found is not None, (name, head)
+    return found[1]
+
+
+async def _tagging_worker(tag: bytes) -> asyncio.Server:
+    """A worker answering each request with `tag`, the request line and its body length."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return  # the floor closed its connection
+            body = await reader.readexactly(int(_header(head, b"Content-Length")))
+            line = head.split(b"\r\n", 1)[0]
+            reply = b"%b %b %d %b" % (tag, line, len(body), _header(head, b"Host"))
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nX-Tag: %b\r\nContent-Length: %d\r\n\r\n%b"
+                % (tag, len(reply), reply)
+            )
+            await writer.drain()
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+async def test_the_floor_relays_each_token_to_one_worker_and_refuses_chunked() -> None:
+    workers = [await _tagging_worker(tag) for tag in (b"w0", b"w1")]
+    addresses = [w.sockets[0].getsockname()[:2] for w in workers]
+    floor = Floor([(str(host), int(port)) for host, port in addresses])
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: floor_protocol(floor), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    seen: dict[str, set[bytes]] = {}
+    try:
+        for i in range(12):
+            token = f"token-{i % 3}"
+            writer.write(build_request(token, port, body=b"x" * i))
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            body = await reader.readexactly(int(_header(head, b"Content-Length")))
+            tag, line = body.split(b" ", 1)
+            assert line.startswith(b"POST /tools/echo HTTP/1.1 %d worker" % i), body
+            assert b"X-Tag: " + tag in head
+            seen.setdefault(token, set()).add(tag)
+        assert all(len(tags) == 1 for tags in seen.values()), seen  # sticky
+        writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 501 ")
+    finally:
+        writer.close()
+        await writer.wait_closed()
+        floor.close()
+        server.close()
+        await server.wait_closed()
+        for worker in workers:
+            worker.close()
+            await worker.wait_closed()
 
 
 # --- quick runs ------------------------------------------------------------------------------
