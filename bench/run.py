@@ -77,7 +77,7 @@ from bench.report import (
     write_chart,
 )
 
-__all__ = ["Settings", "main", "run_benchmark"]
+__all__ = ["Settings", "build_parser", "main", "run_benchmark", "settings_from_args"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -481,7 +481,7 @@ def _write(run: Run, out: Path, say: Callable[[str], None]) -> None:
     say(f"written: {out / 'bench.json'}" + ("" if problem else f", {out / 'bench.png'}"))
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.run",
         description="The router against nginx, HAProxy and Envoy: CPU per request, "
@@ -560,7 +560,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; 0 when the router was measured, 1 when it failed."""
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         settings = settings_from_args(args)

@@ -49,7 +49,7 @@ from bench.report import (  # noqa: E402
     legend,
     to_json,
 )
-from bench.run import Settings, _parser, settings_from_args  # noqa: E402
+from bench.run import Settings, build_parser, settings_from_args  # noqa: E402
 from bench.worker import spin  # noqa: E402
 
 FULL = os.environ.get("EPISODE_ROUTER_BENCH") == "1"
@@ -209,11 +209,11 @@ def test_a_busy_worker_spins_at_least_the_time_asked() -> None:
 def test_work_us_option_sets_the_worker_bound_run_or_turns_it_off() -> None:
     assert Settings().work_us == 400.0 and Settings().bound_s == 5.0
     assert Settings.quick().bound_s == 1.0
-    quick = settings_from_args(_parser().parse_args(["--quick", "--work-us", "250"]))
+    quick = settings_from_args(build_parser().parse_args(["--quick", "--work-us", "250"]))
     assert (quick.work_us, quick.bound_s, quick.connections) == (250.0, 1.0, 8)
-    assert settings_from_args(_parser().parse_args(["--work-us", "0"])).work_us == 0.0
+    assert settings_from_args(build_parser().parse_args(["--work-us", "0"])).work_us == 0.0
     with pytest.raises(ValueError, match="--work-us must not be negative"):
-        settings_from_args(_parser().parse_args(["--work-us", "-1"]))
+        settings_from_args(build_parser().parse_args(["--work-us", "-1"]))
 
 
 def test_proc_stat_is_read_past_a_command_name_with_spaces_and_parentheses() -> None:
@@ -299,10 +299,10 @@ def _figures(
 
 def test_rounds_option_sets_the_interleaved_load_runs() -> None:
     assert (Settings().rounds, Settings.quick().rounds) == (3, 1)
-    assert settings_from_args(_parser().parse_args(["--rounds", "5"])).rounds == 5
-    assert settings_from_args(_parser().parse_args(["--quick", "--rounds", "2"])).rounds == 2
+    assert settings_from_args(build_parser().parse_args(["--rounds", "5"])).rounds == 5
+    assert settings_from_args(build_parser().parse_args(["--quick", "--rounds", "2"])).rounds == 2
     with pytest.raises(ValueError, match="--rounds must be at least 1"):
-        settings_from_args(_parser().parse_args(["--rounds", "0"]))
+        settings_from_args(build_parser().parse_args(["--rounds", "0"]))
 
 
 def test_cpu_ratios_are_kept_round_by_round_and_the_legend_shows_them() -> None:
