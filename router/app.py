@@ -187,7 +187,8 @@ class PublicHandler:
         first: Awaitable[int | UpstreamFailure] | None = None,
     ) -> None:
         """Forwards, and on a failure answers it or tries another worker. `first`: the
-        outcome of a first try already under way (a forward the lane handed over)."""
+        outcome of a first try already made (counted in flight with the decision, or a
+        forward the lane handed over); None to make it here."""
         request = exchange.request
         sessionless = exchange.found is None
         if request.expect_continue and not request.body_complete:
