@@ -17,17 +17,19 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 from aiohttp import hdrs
 from multidict import CIMultiDict
 
 __all__ = [
+    "MAX_CACHED_ROLES",
     "ForwardTimeouts",
     "ReplyObserver",
     "Upstream",
     "UpstreamFailure",
     "relayed_reply_headers",
+    "remember_role",
     "reply_headers_for_client",
     "request_headers_for_worker",
     "rewrite_location",
@@ -254,7 +256,17 @@ def relayed_reply_headers(
 # 270,700 -> 251,500.
 _REPLY_KEEP, _REPLY_DROP, _REPLY_LOCATION, _REPLY_CONNECTION = 1, 2, 3, 4
 _REPLY_ROLES: dict[bytes, int] = {}
-_MAX_REPLY_ROLES = 4096
+# A header-role cache holds at most this many names: invented names cannot grow it.
+MAX_CACHED_ROLES = 4096
+_Name = TypeVar("_Name", str, bytes)
+
+
+def remember_role(cache: dict[_Name, int], name: _Name, role: int) -> int:
+    """`role`, kept in `cache` for `name` while the cache is under MAX_CACHED_ROLES (the
+    request side's cache, router.relay_wire, and the reply side's here)."""
+    if len(cache) < MAX_CACHED_ROLES:
+        cache[name] = role
+    return role
 
 
 def _reply_role_named(lower: str, named: frozenset[str]) -> int:
@@ -269,10 +281,7 @@ def _text(data: bytes) -> str:
 
 
 def _reply_role(name: bytes) -> int:
-    role = _reply_role_named(_text(name).lower(), _NONE_NAMED)
-    if len(_REPLY_ROLES) < _MAX_REPLY_ROLES:
-        _REPLY_ROLES[name] = role
-    return role
+    return remember_role(_REPLY_ROLES, name, _reply_role_named(_text(name).lower(), _NONE_NAMED))
 
 
 def rewrite_location(value: str, private_origin: str, public_base: str) -> str:

@@ -21,7 +21,7 @@ from yarl import URL
 
 # The header rules have one home, router.forward (the forwarding contract); this module
 # builds the same head in one pass, pinned equal by tests/test_relay_wire.py.
-from router.forward import _connection_named, _keeps_request_header
+from router.forward import _connection_named, _keeps_request_header, remember_role
 
 __all__ = [
     "IDEMPOTENT_METHODS",
@@ -175,7 +175,6 @@ def worker_request_head(
 # 296,000, against a lower() and a rules check per header per request.
 _KEEP, _DROP, _HOST, _LENGTH, _CONNECTION, _TRANSFER_ENCODING = 1, 2, 3, 4, 5, 6
 _NAME_ROLES: dict[str, int] = {}
-_MAX_NAME_ROLES = 4096
 
 
 def _role(lower: str, named: frozenset[str]) -> int:
@@ -189,10 +188,7 @@ def _role(lower: str, named: frozenset[str]) -> int:
 
 
 def _name_role(name: str) -> int:
-    role = _role(name.lower(), _NONE_NAMED)
-    if len(_NAME_ROLES) < _MAX_NAME_ROLES:
-        _NAME_ROLES[name] = role
-    return role
+    return remember_role(_NAME_ROLES, name, _role(name.lower(), _NONE_NAMED))
 
 
 def serialize_request_head(method: str, target: str, headers: Iterable[tuple[str, str]]) -> bytes:

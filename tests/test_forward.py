@@ -34,15 +34,26 @@ from router.answers import Answer
 from router.edge import EdgeLimits, EdgeServer
 from router.edge_request import PublicRequest
 from router.forward import (
+    MAX_CACHED_ROLES,
     ForwardTimeouts,
     Upstream,
     UpstreamFailure,
+    remember_role,
     reply_headers_for_client,
     request_headers_for_worker,
     rewrite_location,
 )
 
 pytestmark = pytest.mark.timeout(30)
+
+
+def test_a_role_cache_stops_growing_at_its_bound_and_still_answers() -> None:
+    cache: dict[bytes, int] = {}
+    for i in range(MAX_CACHED_ROLES + 10):
+        assert remember_role(cache, b"X-Invented-%d" % i, i % 3) == i % 3
+    assert len(cache) == MAX_CACHED_ROLES
+    assert cache[b"X-Invented-0"] == 0 and b"X-Invented-%d" % MAX_CACHED_ROLES not in cache
+
 
 TIMEOUTS = ForwardTimeouts(connect_s=1.0, first_byte_s=2.0, stream_idle_s=2.0)
 BOOT = {"X-Episode-Router-Boot": "boot-1"}
