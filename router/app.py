@@ -231,14 +231,14 @@ class PublicHandler:
         self, exchange: _Exchange, decision: Forward
     ) -> Coroutine[Any, Any, int | UpstreamFailure]:
         """One forward to the decision's worker, counted in flight from now on."""
-        request = exchange.request
         worker = decision.worker
         self._in_flight(worker, 1)
+        upstream, extra, public_base = _destination(exchange, decision)
         forward = self.forwarder.forward(
-            request,
-            Upstream(worker.id, worker.url),
-            extra_headers={BOOT_HEADER: decision.boot} if decision.boot else _NO_EXTRA,
-            public_base=f"http://{request.host}",
+            exchange.request,
+            upstream,
+            extra_headers=extra,
+            public_base=public_base,
             body=exchange.body,
             observer=self._learner(exchange, worker),
         )
@@ -266,14 +266,14 @@ class PublicHandler:
         worker = decision.worker
         if self.sessions.learns and self._learner(exchange, worker) is not None:
             return False
-        request = exchange.request
         self._in_flight(worker, 1)
+        upstream, extra, public_base = _destination(exchange, decision)
         started = self.forwarder.start(
-            request,
-            Upstream(worker.id, worker.url),
+            exchange.request,
+            upstream,
             lambda result: self._lane_done(exchange, decision, result),
-            extra_headers={BOOT_HEADER: decision.boot} if decision.boot else _NO_EXTRA,
-            public_base=f"http://{request.host}",
+            extra_headers=extra,
+            public_base=public_base,
             body=exchange.body,
         )
         if not started:
@@ -389,6 +389,14 @@ class _Exchange:
         self.outcome = CLIENT_CLOSED
         self.status = CLIENT_CLOSED_STATUS
         self.request.client.drop()
+
+
+def _destination(exchange: _Exchange, decision: Forward) -> tuple[Upstream, Mapping[str, str], str]:
+    """Where a forward goes, the headers the router adds (the boot), and the public
+    origin a Location naming the worker is rewritten to."""
+    worker = decision.worker
+    extra = {BOOT_HEADER: decision.boot} if decision.boot else _NO_EXTRA
+    return Upstream(worker.id, worker.url), extra, f"http://{exchange.request.host}"
 
 
 def _small_json_body(request: PublicRequest, reader: SessionReader) -> bool:
