@@ -220,9 +220,9 @@ class ReplyParser:
 
     Call `begin()` before each request, then `feed()` the bytes as they arrive and
     `feed_eof()` when the worker closes. State, read after each call:
-    - `head_done`: the final (non-1xx) reply head is in: `status`, `reason`,
-      `raw_headers` (name, value pairs as bytes, in order, repeats kept; `headers`
-      decodes them), `content_length`;
+    - `head_done`: the final (non-1xx) reply head is in: `status`, `raw_reason`
+      (`reason` decodes it), `raw_headers` (name, value pairs as bytes, in order,
+      repeats kept; `headers` decodes them), `content_length`;
     - `chunks`/`buffered`: body bytes not yet taken (`take_body()`);
     - `complete`: the reply ended; `reusable`: the connection may carry another exchange;
     - `broken`: why the reply cannot be relayed (before the head) or finished (after it).
@@ -236,7 +236,6 @@ class ReplyParser:
         "_interim",
         "_parser",
         "_parser_spent",
-        "_reason",
         "_transfer_encoding",
         "broken",
         "buffered",
@@ -247,7 +246,6 @@ class ReplyParser:
         "head_done",
         "raw_headers",
         "raw_reason",
-        "reason",
         "received",
         "reusable",
         "status",
@@ -278,12 +276,15 @@ class ReplyParser:
         self.head_done = False
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self._headers: list[tuple[str, str]] | None = None
-        self.reason = ""
         self.raw_reason = b""
-        self._reason = b""
         self.received = 0
         self.reusable = False
         self.status = 0
+
+    @property
+    def reason(self) -> str:
+        """`raw_reason` as text (UTF-8 with surrogate escapes, as header values)."""
+        return self.raw_reason.decode("utf-8", "surrogateescape")
 
     @property
     def headers(self) -> list[tuple[str, str]]:
@@ -366,7 +367,7 @@ class ReplyParser:
             self.reusable = False  # a reply nobody asked for: the link is out of step
 
     def on_status(self, reason: bytes) -> None:
-        self._reason += reason  # may come in pieces: decoded once the head is in
+        self.raw_reason += reason  # may come in pieces
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.head_done:
@@ -392,13 +393,11 @@ class ReplyParser:
             # router already answered Expect itself, and the final head follows.
             self._interim = True
             self.raw_headers = []
-            self._reason = b""
+            self.raw_reason = b""
             self.content_length = None
             self._transfer_encoding = None
             return
         self.status = status
-        self.raw_reason = self._reason
-        self.reason = self._reason.decode("utf-8", "surrogateescape")  # as header values
         self.head_done = True
         if self._head_request:
             # A HEAD reply has no body whatever its framing says: it ends with its head.
