@@ -84,11 +84,13 @@ class PublicHandler:
                 return self._session_from_body(exchange)
             decision = self._route(exchange, found)
             if decision is not None:
-                if self._start_forward(exchange, decision):
+                # A reply a learner must see goes the coroutine path (Forwarder.forward).
+                observer = self._learner(exchange, decision.worker)
+                if observer is None and self._start_forward(exchange, decision):
                     return None  # _lane_done finishes it
                 # Counted in flight now, with the decision: the next request the loop
                 # routes before this coroutine runs must see it (workers.pick).
-                first = self._try_worker(exchange, decision)
+                first = self._try_worker(exchange, decision, observer)
                 return self._forward_and_finish(exchange, decision, first)
         else:
             self._answer(exchange, refusal)
@@ -199,7 +201,9 @@ class PublicHandler:
         while True:
             worker = decision.worker
             tried.add(worker.id)
-            outcome = await (first or self._try_worker(exchange, decision))
+            outcome = await (
+                first or self._try_worker(exchange, decision, self._learner(exchange, worker))
+            )
             first = None
             if not isinstance(outcome, UpstreamFailure):
                 exchange.status = outcome
@@ -228,9 +232,10 @@ class PublicHandler:
             return exchange.answer(self._failure_answer(outcome, gone, decision))
 
     def _try_worker(
-        self, exchange: _Exchange, decision: Forward
+        self, exchange: _Exchange, decision: Forward, observer: ReplyLearner | None
     ) -> Coroutine[Any, Any, int | UpstreamFailure]:
-        """One forward to the decision's worker, counted in flight from now on."""
+        """One forward to the decision's worker, its reply shown to `observer`, counted in
+        flight from now on."""
         worker = decision.worker
         self._in_flight(worker, 1)
         upstream, extra, public_base = _destination(exchange, decision)
@@ -240,7 +245,7 @@ class PublicHandler:
             extra_headers=extra,
             public_base=public_base,
             body=exchange.body,
-            observer=self._learner(exchange, worker),
+            observer=observer,
         )
         return self._attempt(worker, forward)
 
@@ -262,10 +267,8 @@ class PublicHandler:
 
     def _start_forward(self, exchange: _Exchange, decision: Forward) -> bool:
         """Starts the forward on the relay's lane (`Forwarder.start`) when it can go at
-        once and no reply learner needs to see it; False when it cannot."""
+        once; False when it cannot."""
         worker = decision.worker
-        if self.sessions.learns and self._learner(exchange, worker) is not None:
-            return False
         self._in_flight(worker, 1)
         upstream, extra, public_base = _destination(exchange, decision)
         started = self.forwarder.start(
