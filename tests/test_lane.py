@@ -8,11 +8,11 @@ the second, on the kept-alive worker connection, takes the lane.
 
 A real `RouterService` forwards on loopback to scripted workers registered over its
 control socket. Each test pins what the lane does by the bytes that crossed the wire,
-and most run twice: once as the router runs (`lane`) and once with `Forwarder.start`
-refusing every request (`coroutine`), so the same scenario on the pooled connection
-goes the coroutine path and both must come out the same. A spy on `Forwarder.start`
-and `Forwarder._resume` says which path each request took, so a test cannot pass by
-never reaching the lane.
+and most run twice: once as the router runs (`lane`) and once with the lane turned off
+(`Forwarder.lane_enabled`, `coroutine`), so the same scenario on the pooled connection
+goes the coroutine path and both must come out the same. The Forwarder's counters of
+the forwards the lane took, declined and handed over say which path each request took,
+so a test cannot pass by never reaching the lane.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from test_relay import OK, Conversation, stale_after_one
 from test_relay import ScriptedWorker as ConversationWorker
 
 from router.config import TimeoutsConfig
-from router.relay import Forwarder
+from router.service import RouterService
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -64,47 +64,52 @@ def timeouts(first_byte_s: float = 5.0) -> TimeoutsConfig:
 
 @dataclasses.dataclass
 class Paths:
-    """What `Forwarder.start` answered for each forward, and how many lane forwards were
+    """How the router's forwards went, from its Forwarder's counters: how many
+    `Forwarder.start` took on the lane and declined, and how many lane forwards were
     handed over to the coroutine path (`Forwarder._resume`). `lane`: False when the lane
     was turned off for the test (every forward then takes `Forwarder.forward`)."""
 
+    rig: Rig
     lane: bool
-    started: list[bool] = dataclasses.field(default_factory=list)
-    resumed: int = 0
+
+    @property
+    def started(self) -> int:
+        return self.rig.router.forwarder.lane_started
+
+    @property
+    def declined(self) -> int:
+        return self.rig.router.forwarder.lane_declined
+
+    @property
+    def resumed(self) -> int:
+        return self.rig.router.forwarder.lane_handovers
 
     def expect(self, on_lane: list[bool], handovers: int) -> None:
-        """The paths taken: `on_lane` and `handovers` on the lane's run; on the coroutine
-        path's, no request was started on the lane and none was handed over."""
+        """The paths taken: `on_lane` (one entry per forward, True for one the lane
+        took) and `handovers` on the lane's run; on the coroutine path's, no request was
+        started on the lane and none was handed over."""
+        taken = (self.started, self.declined, self.resumed)
         if self.lane:
-            assert (self.started, self.resumed) == (on_lane, handovers)
+            assert taken == (on_lane.count(True), on_lane.count(False), handovers)
         else:
-            assert (self.started, self.resumed) == ([False] * len(on_lane), 0)
-
-
-def spy_on_paths(monkeypatch: pytest.MonkeyPatch, *, lane: bool) -> Paths:
-    seen = Paths(lane)
-    start = Forwarder.start
-    resume = Forwarder._resume
-
-    def spy_start(self: Forwarder, *args: Any, **kwargs: Any) -> bool:
-        started = start(self, *args, **kwargs) if lane else False
-        seen.started.append(started)
-        return started
-
-    def spy_resume(self: Forwarder, *args: Any) -> Coroutine[Any, Any, int]:
-        seen.resumed += 1
-        return resume(self, *args)
-
-    monkeypatch.setattr(Forwarder, "start", spy_start)
-    monkeypatch.setattr(Forwarder, "_resume", spy_resume)
-    return seen
+            assert taken == (0, len(on_lane), 0)
 
 
 @pytest.fixture(params=["lane", "coroutine"])
-def paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Paths:
-    """Spies on the lane; with `coroutine`, the lane refuses every request (as it does when
-    it cannot go at once), so every forward takes `Forwarder.forward`."""
-    return spy_on_paths(monkeypatch, lane=request.param == "lane")
+def paths(request: pytest.FixtureRequest, rig: Rig, monkeypatch: pytest.MonkeyPatch) -> Paths:
+    """Counts the lane's forwards; with `coroutine`, the lane is turned off (it then
+    declines every request, as it does one that cannot go at once), so every forward
+    takes `Forwarder.forward`."""
+    lane = request.param == "lane"
+    start_router = rig.start_router
+
+    async def start_with_lane(*args: Any, **kwargs: Any) -> RouterService:
+        service = await start_router(*args, **kwargs)
+        service.forwarder.lane_enabled = lane
+        return service
+
+    monkeypatch.setattr(rig, "start_router", start_with_lane)
+    return Paths(rig, lane)
 
 
 @pytest.fixture
@@ -273,14 +278,14 @@ TWINS: dict[str, Twin] = {
 
 @pytest.mark.parametrize("case", list(TWINS))
 async def test_a_request_on_the_lane_is_the_twin_of_the_same_request_on_a_new_connection(
-    rig: Rig, case: str, monkeypatch: pytest.MonkeyPatch
+    rig: Rig, case: str
 ) -> None:
     """The first request goes the coroutine path on a new worker connection, the second
     the lane on that connection, kept alive: the worker reads the same bytes twice and
     the client gets the same reply twice."""
     twin = TWINS[case]
-    seen = spy_on_paths(monkeypatch, lane=True)
     router = await rig.start_router()
+    seen = Paths(rig, lane=True)
     worker = await RecordingWorker("w0").start(rig)
     await worker.claim(episode_key("lane", 0))
     worker.reply = twin.reply(worker.url)
@@ -295,7 +300,7 @@ async def test_a_request_on_the_lane_is_the_twin_of_the_same_request_on_a_new_co
         conn.close()
 
     # The first went the coroutine path on a new connection, the second the lane, whole.
-    assert (seen.started, seen.resumed) == ([False, True], 0)
+    seen.expect([False, True], 0)
     assert worker.connections == 1
     # The worker received the same bytes twice.
     arrived_first, arrived_second = worker.arrived
@@ -730,11 +735,11 @@ async def test_concurrent_lane_requests_leave_every_worker_with_nothing_in_fligh
     arrived = sorted(a.target for w in workers for a in w.arrived)
     assert arrived == sorted(f"/r{r}/c{i}" for r in range(3) for i in range(len(clients)))
     assert all(w.arrived for w in workers)  # both workers took part
-    assert len(paths.started) == 3 * len(clients)
+    assert paths.started + paths.declined == 3 * len(clients)
     if paths.lane:
-        assert paths.started.count(True) >= len(clients)  # later rounds went the lane
+        assert paths.started >= len(clients)  # later rounds went the lane
     else:
-        assert not any(paths.started)
+        assert paths.started == 0
     assert paths.resumed == 0
     views = await rig.worker_views()
     assert {w.id: views[w.id]["in_flight"] for w in workers} == {"w0": 0, "w1": 0}
