@@ -5,20 +5,22 @@
 #   docker run --rm -p 8080:8080 \
 #       -v "$PWD/router.yaml:/etc/episode-router/router.yaml:ro" episode-router:0.1.0
 #
-# The builder stage turns the package and its dependencies into wheels (all of
-# them ship binary wheels, so no compiler is needed even there). The final
-# stage installs only those wheels: no build tools, no source tree, no caches.
+# The builder stage turns the package and its dependencies into wheels. It runs on
+# the full Python image, whose C compiler builds the router's hot path with mypyc
+# (setup.py), for the same Python as the slim image. The final stage installs only
+# those wheels: no compiler, no build tools, no source tree, no caches.
 # The configuration is mounted at /etc/episode-router/router.yaml; the control
 # socket lives in /run/episode-router and the journal in /var/lib/episode-router
 # (mount volumes there when the root filesystem is read-only).
 
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
+ARG BUILDER_IMAGE=python:3.11.11-bookworm
 
-FROM ${PYTHON_IMAGE} AS builder
+FROM ${BUILDER_IMAGE} AS builder
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY router ./router
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 

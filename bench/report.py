@@ -322,6 +322,9 @@ def format_table(run: Run) -> str:
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.extend(legend(run.settings, run.figures))
+    build = run.machine.get("router_build")
+    if build:
+        lines.append(f"router build: {build} (episode-router --version)")
     for f in run.figures:
         if f.status != "ok":
             lines.append(f"{f.status}: {f.name}: {f.reason}")

@@ -76,6 +76,7 @@ from bench.report import (
     to_json,
     write_chart,
 )
+from router.build import build_name
 
 __all__ = ["Settings", "build_parser", "main", "run_benchmark", "settings_from_args"]
 
@@ -338,6 +339,7 @@ def machine_facts() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
+        "router_build": build_name(),  # compiled (mypyc) or pure-python: setup.py
         "load_average_at_start": load_average,
     }
 

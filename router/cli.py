@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib.metadata
 import json
 import os
 import shlex
@@ -15,6 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
+from router.build import build_name
 from router.config import (
     AdminConfig,
     Config,
@@ -44,6 +46,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="episode-router",
         description="Routes each episode's requests to the worker process that holds it.",
+    )
+    version = importlib.metadata.version("episode-router")
+    parser.add_argument(
+        "--version", action="version", version=f"episode-router {version} ({build_name()})"
     )
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="run the router")

@@ -55,8 +55,9 @@ STATUS_CLASSES: Final = ("1xx", "2xx", "3xx", "4xx", "5xx")
 # The control protocol's ops (DESIGN §3); any other op string is counted as "invalid".
 CONTROL_OPS: Final = ("hello", "claim", "release", "sync", "drain", "bye", "ping")
 INVALID_OP: Final = "invalid"
-# "ok" and every error code a control reply can carry (DESIGN §3).
-CONTROL_RESULTS: Final = (
+# "ok" and every error code a control reply can carry (DESIGN §3). This tuple and the
+# buckets' are not Final: mypyc (setup.py) leaves a Final tuple built with * unset.
+CONTROL_RESULTS: tuple[str, ...] = (
     *("ok", "bad_request", "unknown_op", "no_hello", "unsupported_version", "forbidden"),
     *("worker_busy", "conflict", "ended", "worker_exited", "unknown_kind", "not_holder"),
 )
@@ -65,12 +66,12 @@ WORKER_STATES: Final = tuple(state.value for state in WorkerState)
 
 # A proxied call ranges from a millisecond (a cached tool) to minutes (an
 # LLM-backed tool; timeouts.first_byte_s defaults to 300 s).
-REQUEST_BUCKETS: Final = (
+REQUEST_BUCKETS: tuple[float, ...] = (
     *(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
     *(1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0),
 )
 # The router's own decision (read the session, look up the claim) takes microseconds.
-DECISION_BUCKETS: Final = (
+DECISION_BUCKETS: tuple[float, ...] = (
     *(1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4),
     *(2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2),
 )

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from router.admin import admin_application
 from router.app import PublicHandler
+from router.build import build_name
 from router.config import Config, ConfigError, load_config
 from router.control import ControlPolicy, ControlSession
 from router.control_server import ControlServer
@@ -153,7 +154,11 @@ class RouterService:
         self._spawn_task(self._tick_forever(), "tick")
         log.info(
             "router started",
-            extra={"public_port": self.public_port, "admin_port": self.admin_port},
+            extra={
+                "public_port": self.public_port,
+                "admin_port": self.admin_port,
+                "build": build_name(),  # the hot path compiled or pure Python
+            },
         )
 
     def _open_journal(self, path: str) -> None:

@@ -327,7 +327,7 @@ def test_cpu_ratios_are_kept_round_by_round_and_the_legend_shows_them() -> None:
 def test_ratios_and_targets_against_nginx_in_the_same_run() -> None:
     run = Run(
         settings={},
-        machine={"cpus": 2},
+        machine={"cpus": 2, "router_build": "compiled"},
         figures=[
             _figures("nginx", 50.0, 10000.0, 100.0, 900.0, 4000.0),
             _figures("router", 70.0, 5000.0, 130.0, 1200.0, 3800.0),
@@ -347,6 +347,7 @@ def test_ratios_and_targets_against_nginx_in_the_same_run() -> None:
     assert [check.met for check in run.targets] == [True, False, False, True]
     table = format_table(run)
     assert "skipped: envoy: not installed" in table
+    assert "router build: compiled (episode-router --version)" in table
     assert "NOT met  serial added latency p50 <= 1.2x nginx: 1.30x" in table
     assert (
         "met      throughput >= 90% of nginx, workers the bottleneck: 95.0% (worker-bound rps)"

@@ -122,10 +122,12 @@ def test_the_image_is_slim_non_root_and_runs_episode_router_in_exec_form() -> No
         rest.split("=", 1) for keyword, rest in instructions if keyword == "ARG" and "=" in rest
     )
     assert re.fullmatch(r"python:3\.11\.\d+-slim-[a-z]+", args["PYTHON_IMAGE"])
+    # The wheels compiled in the builder (setup.py) are for the final image's Python.
+    assert args["BUILDER_IMAGE"] == args["PYTHON_IMAGE"].replace("-slim", "")
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert args["VERSION"] == version
     builder, final = stages(instructions)
-    assert builder[0] == ("FROM", "${PYTHON_IMAGE} AS builder")
+    assert builder[0] == ("FROM", "${BUILDER_IMAGE} AS builder")
     assert final[0] == ("FROM", "${PYTHON_IMAGE}")
     keywords = [keyword for keyword, _ in final]
     assert "COPY" not in keywords and "ADD" not in keywords  # wheels come in by bind mount
@@ -163,7 +165,7 @@ def test_the_dockerignore_admits_exactly_what_the_dockerfile_copies() -> None:
     admitted = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
     instructions = dockerfile_instructions((ROOT / "Dockerfile").read_text())
     copied = {src for k, rest in instructions if k == "COPY" for src in rest.split()[:-1]}
-    assert copied == admitted == {"pyproject.toml", "README.md", "router"}
+    assert copied == admitted == {"pyproject.toml", "setup.py", "README.md", "router"}
     for name in admitted:
         assert (ROOT / name).exists(), name
 

@@ -1,0 +1,41 @@
+"""Which build of the forwarding hot path is running: mypyc's C extensions or pure Python.
+
+setup.py compiles the hot modules when the machine has a C compiler and installs them
+as pure Python when it has none; both run the same code. Operators see which one runs
+in `episode-router --version` and in the "router started" log line.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+from pathlib import Path
+
+from router import edge
+
+__all__ = ["build_name", "compiled", "stale_extensions"]
+
+
+def compiled() -> bool:
+    """True when the hot path runs as compiled extensions (the edge stands for them all:
+    setup.py builds them together)."""
+    return (edge.__file__ or "").endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
+def build_name() -> str:
+    """ "compiled" or "pure-python"."""
+    return "compiled" if compiled() else "pure-python"
+
+
+def stale_extensions(package: Path | None = None) -> list[str]:
+    """The sources of the compiled modules in `package` (this one by default) that are
+    newer than their build: an editable install whose sources changed since it was
+    built. Python imports the extension, so the edit does not run until
+    `pip install -e .` builds it again."""
+    folder = package if package is not None else Path(edge.__file__ or "").parent
+    stale = []
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        for extension in folder.glob(f"*{suffix}"):
+            source = extension.with_name(extension.name[: -len(suffix)] + ".py")
+            if source.exists() and source.stat().st_mtime > extension.stat().st_mtime:
+                stale.append(source.name)
+    return sorted(stale)
