@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from typing import Final
 
-STATUS_BY_CODE: dict[str, int] = {
+STATUS_BY_CODE: Final[dict[str, int]] = {
     "bad_request": 400,
     "ambiguous_session": 400,
     "invalid_token": 401,

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Final
 
 from router.answers import Answer
 from router.core import Forward, RouterCore
@@ -26,13 +26,13 @@ from router.workers import Worker, WorkerState
 log = logging.getLogger("episode_router.public")
 answers_log = logging.getLogger("episode_router.answers")
 access_log = logging.getLogger("episode_router.access")
-MAX_LOGGED_PATH = 200  # a hostile client's path is cut here in the log
+MAX_LOGGED_PATH: Final = 200  # a hostile client's path is cut here in the log
 
 BOOT_HEADER = "X-Episode-Router-Boot"
 _NO_EXTRA: Mapping[str, str] = MappingProxyType({})
-MAX_SESSIONLESS_TRIES = 3  # connect refused on a sessionless request: try this many workers
+MAX_SESSIONLESS_TRIES: Final = 3  # connect refused on a sessionless request: try this many workers
 # A request whose client left before its reply is counted with nginx's status for it.
-CLIENT_CLOSED_STATUS = 499
+CLIENT_CLOSED_STATUS: Final = 499
 
 
 class PublicHandler:
@@ -172,7 +172,7 @@ class PublicHandler:
         problem = framing_problem(
             request.method,
             request.version,
-            request.headers.getall("Transfer-Encoding", ()),
+            request.headers.getall("Transfer-Encoding", ()) if request.chunked else (),
             length,
             request.target,
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 from multidict import CIMultiDict
 
@@ -23,7 +23,7 @@ __all__ = ["BodyBroken", "BodySource", "PublicRequest", "RequestBody"]
 
 # A body holds at most this much unread before its connection stops reading: a client
 # uploading faster than the worker takes it waits in its own socket buffer, not in ours.
-BODY_HIGH_WATER = 256 * 1024
+BODY_HIGH_WATER: Final = 256 * 1024
 
 
 class BodyBroken(Exception):

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable
 from email.utils import formatdate
 from http import HTTPStatus
+from typing import Final
 
 from router.answers import Answer
 
@@ -28,8 +29,8 @@ __all__ = [
     "split_target",
 ]
 
-_REASONS = {status.value: status.phrase for status in HTTPStatus}
-_NO_BODY_STATUSES = frozenset({204, 304})
+_REASONS: Final = {status.value: status.phrase for status in HTTPStatus}
+_NO_BODY_STATUSES: Final = frozenset({204, 304})
 
 
 class BodyFraming(enum.Enum):
@@ -96,7 +97,7 @@ date_header = _DateCache()
 def reply_head(
     status: int,
     reason: bytes,
-    headers: Iterable[tuple[bytes, bytes]],
+    headers: list[tuple[bytes, bytes]],
     *,
     version_11: bool,
     head_request: bool,
@@ -118,7 +119,8 @@ def reply_head(
     parts = [b"HTTP/1.%d %d %b\r\n" % (1 if version_11 else 0, status, reason)]
     no_body = head_request or status in _NO_BODY_STATUSES or status < 200
     has_length = has_date = False
-    for name, value in headers:
+    for pair in headers:  # indexed, not unpacked: see relay_wire.worker_request_head
+        name = pair[0]
         # Only two names matter here; their lengths rule most names out without lower().
         size = len(name)
         if size == 14 and name.lower() == b"content-length":
@@ -127,7 +129,7 @@ def reply_head(
             has_length = True
         elif size == 4 and name.lower() == b"date":
             has_date = True
-        parts.append(b"%b: %b\r\n" % (name, value))
+        parts.append(b"%b: %b\r\n" % (name, pair[1]))
     if no_body:
         framing = BodyFraming.NONE
     elif has_length:

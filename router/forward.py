@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal, Protocol, TypeVar
+from typing import Final, Literal, Protocol, TypeVar
 
 from aiohttp import hdrs
 from multidict import CIMultiDict
@@ -42,7 +42,7 @@ FailureKind = Literal["refused", "error", "timeout", "too_large", "bad_body", "c
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) plus the legacy ones proxies still see.
 # Any other `Proxy-*` name is dropped too (see `_is_hop_by_hop`).
-_HOP_BY_HOP = frozenset(
+_HOP_BY_HOP: Final = frozenset(
     {
         "connection",
         "keep-alive",
@@ -58,9 +58,9 @@ _HOP_BY_HOP = frozenset(
 # Request headers the router owns: it sets Host and the X-Forwarded-* set itself and never
 # trusts a client's. `Expect` was answered at the public edge (the body is already flowing),
 # so the worker must not be asked to send a second 100 Continue.
-_ROUTER_OWNED = frozenset({"host", "forwarded", "x-real-ip", "expect"})
-_ROUTER_OWNED_PREFIXES = ("x-forwarded-", "x-episode-router-")
-_REWRITTEN_REPLY_HEADERS = frozenset({"location", "content-location"})
+_ROUTER_OWNED: Final = frozenset({"host", "forwarded", "x-real-ip", "expect"})
+_ROUTER_OWNED_PREFIXES: Final = ("x-forwarded-", "x-episode-router-")
+_REWRITTEN_REPLY_HEADERS: Final = frozenset({"location", "content-location"})
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 _NONE_NAMED: frozenset[str] = frozenset()
 
@@ -79,12 +79,17 @@ class ReplyObserver(Protocol):
 
 
 # Not frozen: one is made per forward, and a frozen init costs 0.33 µs against 0.14.
-@dataclass(slots=True)
+# Its own __init__ for the compiled build, as router.core.Forward.
+@dataclass(slots=True, init=False)
 class Upstream:
     """Where one worker listens: `http://host:port` or `unix:/path/to/socket`."""
 
     worker_id: str
     url: str
+
+    def __init__(self, worker_id: str, url: str) -> None:
+        self.worker_id = worker_id
+        self.url = url
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,21 +236,23 @@ def relayed_reply_headers(
     """`reply_headers_for_client` on the bytes of the header pairs, as llhttp gave them:
     the rules of each name are worked out once (a bytes-keyed cache), and only a
     Location to rewrite is decoded."""
-    roles = [_REPLY_ROLES.get(name) or _reply_role(name) for name, _ in worker_headers]
+    # Indexed, not unpacked: see router.relay_wire.worker_request_head.
+    roles = [_REPLY_ROLES.get(pair[0]) or _reply_role(pair[0]) for pair in worker_headers]
     if _REPLY_CONNECTION in roles:
         # The names Connection lists are dropped too: roles for this reply alone.
         named = _connection_named([(_text(n), _text(v)) for n, v in worker_headers])
         roles = [_reply_role_named(_text(n).lower(), named) for n, _ in worker_headers]
     out = []
-    for pair, role in zip(worker_headers, roles, strict=True):
+    for index, pair in enumerate(worker_headers):  # zip(strict=True): see worker_request_head
+        role = roles[index]
         if role == _REPLY_KEEP:
             out.append(pair)
         elif role == _REPLY_LOCATION:
-            name, value = pair
+            value = pair[1]
             if public_base is not None:
                 rewritten = rewrite_location(_text(value), private_origin, public_base)
                 value = rewritten.encode("utf-8", "surrogateescape")
-            out.append((name, value))
+            out.append((pair[0], value))
     return out
 
 
@@ -254,8 +261,11 @@ def relayed_reply_headers(
 # header, instead of a lower() and three rule checks per header per reply. Instructions
 # per routed request (callgrind on bench.hotpath), with the other trims of that change:
 # 270,700 -> 251,500.
-_REPLY_KEEP, _REPLY_DROP, _REPLY_LOCATION, _REPLY_CONNECTION = 1, 2, 3, 4
-_REPLY_ROLES: dict[bytes, int] = {}
+_REPLY_KEEP: Final = 1
+_REPLY_DROP: Final = 2
+_REPLY_LOCATION: Final = 3
+_REPLY_CONNECTION: Final = 4
+_REPLY_ROLES: Final[dict[bytes, int]] = {}
 # A header-role cache holds at most this many names: invented names cannot grow it.
 MAX_CACHED_ROLES = 4096
 _Name = TypeVar("_Name", str, bytes)

@@ -20,8 +20,9 @@ Pure: takes what the parser produced, returns a problem or None.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Final
 
-_BODYLESS_METHODS = frozenset({"GET", "HEAD"})
+_BODYLESS_METHODS: Final = frozenset({"GET", "HEAD"})
 
 
 def framing_problem(

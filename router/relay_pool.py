@@ -15,7 +15,7 @@ import asyncio
 import socket
 from collections import deque
 from collections.abc import Callable
-from typing import cast
+from typing import Final, cast
 
 from router.relay_wire import ReplyParser, WorkerAddress
 
@@ -28,13 +28,13 @@ __all__ += ["WorkerPool"]
 KEEPALIVE_S = 4.0
 # A reply body not yet relayed may grow to this much before the worker's socket is no
 # longer read; reading resumes once the relay takes it (aiohttp's client pauses at 128 KiB).
-_READ_HIGH_WATER = 256 * 1024
+_READ_HIGH_WATER: Final = 256 * 1024
 
 # What `WorkerConnection.wait` returns.
-WOKE = 0  # the reply moved: bytes, its end, or the connection closed
-TIMED_OUT = 1  # the deadline passed first
-_TIMER_SLACK_S = 0.001
-INTERRUPTED = 2  # someone else called `interrupt()` (the client left, the upload broke)
+WOKE: Final = 0  # the reply moved: bytes, its end, or the connection closed
+TIMED_OUT: Final = 1  # the deadline passed first
+_TIMER_SLACK_S: Final = 0.001
+INTERRUPTED: Final = 2  # someone else called `interrupt()` (the client left, the upload broke)
 
 
 class PoolClosed(Exception):

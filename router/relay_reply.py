@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
 
 from router.edge_request import PublicRequest
 from router.relay_pool import INTERRUPTED, WorkerConnection
@@ -26,7 +25,7 @@ log = logging.getLogger("episode_router.forward")
 CLIENT_GONE = "the client went away"
 
 # status, reason, the headers for the client (the worker's bytes)
-ReplyHead = tuple[int, bytes, Iterable[tuple[bytes, bytes]]]
+ReplyHead = tuple[int, bytes, list[tuple[bytes, bytes]]]
 
 
 def send_cut(request: PublicRequest, head: ReplyHead, body: bytes, why: str, idle_s: float) -> None:

