@@ -237,7 +237,7 @@ class PublicHandler:
         """One forward to the decision's worker, its reply shown to `observer`, counted in
         flight from now on."""
         worker = decision.worker
-        self._in_flight(worker, 1)
+        worker.in_flight += 1
         upstream, extra, public_base = _destination(exchange, decision)
         forward = self.forwarder.forward(
             exchange.request,
@@ -258,18 +258,13 @@ class PublicHandler:
         except UpstreamFailure as failure:
             return failure
         finally:
-            self._in_flight(worker, -1)
-
-    def _in_flight(self, worker: Worker, change: int) -> None:
-        worker.in_flight += change
-        if self.metrics is not None:
-            self.metrics.in_flight(worker.id, change)
+            worker.in_flight -= 1
 
     def _start_forward(self, exchange: _Exchange, decision: Forward) -> bool:
         """Starts the forward on the relay's lane (`Forwarder.start`) when it can go at
         once; False when it cannot."""
         worker = decision.worker
-        self._in_flight(worker, 1)
+        worker.in_flight += 1
         upstream, extra, public_base = _destination(exchange, decision)
         started = self.forwarder.start(
             exchange.request,
@@ -280,7 +275,7 @@ class PublicHandler:
             body=exchange.body,
         )
         if not started:
-            self._in_flight(worker, -1)
+            worker.in_flight -= 1
         return started
 
     def _lane_done(
@@ -290,7 +285,7 @@ class PublicHandler:
         is its status), or the rest of the forward is a coroutine to run."""
         request = exchange.request
         if isinstance(result, int):
-            self._in_flight(decision.worker, -1)
+            decision.worker.in_flight -= 1
             exchange.status = result
             self._finish(exchange)
             request.client.finished(request)

@@ -3,11 +3,11 @@
 This module owns every metric name, label set and help text the router
 exposes, and the registry they live in. It has two halves:
 
-- event metrics (counters, histograms, one gauge), updated as things happen
-  by the request path and the control server through cheap methods;
-- a collector that reads the live state (claims, tombstones, workers, control
-  connections, recovery) at scrape time through callables, so nothing on the
-  hot path counts what the core already knows.
+- event metrics (counters and histograms), updated as things happen by the
+  request path and the control server through cheap methods;
+- a collector that reads the live state (claims, tombstones, workers and their
+  requests in flight, control connections, recovery) at scrape time through
+  callables, so nothing on the hot path counts what the core already knows.
 
 It must never put a session key, a token, a boot id or any other string a
 client or worker chose into a label. Every label value comes from a fixed set
@@ -19,7 +19,6 @@ prometheus_client's global registry, opens no socket and reads no clock.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
@@ -102,7 +101,8 @@ class RouterMetrics:
     The callables are read at scrape time only:
     `claims_by_worker_kind()` gives (worker, kind) → held claims;
     `tombstones()` the number of tombstones; `workers()` (id, state, draining)
-    for every known worker; `control_connections()` the open control
+    for every known worker; `in_flight()` (id, requests being forwarded to it) for
+    every known worker; `control_connections()` the open control
     connections; `recovery_remaining()` the seconds left in the recovery
     window (None or 0 once it is over); `journal_write_errors()` failed
     journal appends (None when there is no journal). `kinds` are the
@@ -122,6 +122,7 @@ class RouterMetrics:
         control_connections: Callable[[], int],
         recovery_remaining: Callable[[], float | None],
         journal_write_errors: Callable[[], int] | None = None,
+        in_flight: Callable[[], Iterable[tuple[str, int]]] = lambda: (),
         kinds: Iterable[str] = ("episode",),
         max_worker_labels: int = MAX_WORKER_LABELS,
     ) -> None:
@@ -140,6 +141,7 @@ class RouterMetrics:
                 control_connections,
                 recovery_remaining,
                 journal_write_errors,
+                in_flight,
             )
         )
 
@@ -232,12 +234,6 @@ class RouterMetrics:
             child = self._failure_children[key] = self._upstream_failures.labels(*key)
         child.inc()
 
-    def in_flight(self, worker: str, delta: int) -> None:
-        """`delta` requests started (+) or finished (-) towards `worker`."""
-        label = self._worker_label(worker)
-        in_flight = self._hot.in_flight
-        in_flight[label] = in_flight.get(label, 0) + delta
-
     def _worker_label(self, worker: str) -> str:
         if worker in self._workers_seen:
             return worker
@@ -294,7 +290,7 @@ class RouterMetrics:
 class _Histogram:
     """Bucket counts as plain ints, turned into a histogram family at scrape time.
 
-    `observe` is a bisect and two additions. Moving the request counter, both
+    `observe` is a short scan and two additions. Moving the request counter, both
     histograms, the in-flight gauge and the control-op counter here from
     prometheus_client's objects (a lock and a value object per update, seven updates
     per forwarded request) took the router's cost per forwarded request from 339,000
@@ -309,8 +305,18 @@ class _Histogram:
         self.total = 0.0
 
     def observe(self, value: float) -> None:
-        # Prometheus buckets are inclusive (le): the first bound >= value counts it.
-        self.counts[bisect_left(self.bounds, value)] += 1
+        # Prometheus buckets are inclusive (le): the first bound >= value counts it. A
+        # scan from the smallest bound, not bisect_left: the usual value is in the first
+        # few buckets, and the compiled build compares floats natively where bisect
+        # calls out and compares objects. With the in-flight gauge read at scrape time,
+        # instructions per routed request (callgrind on bench.hotpath, compiled):
+        # 107,800 -> 105,300.
+        index = 0
+        bounds = self.bounds
+        last = len(bounds)
+        while index < last and bounds[index] < value:
+            index += 1
+        self.counts[index] += 1
         self.total += value
 
     def buckets(self) -> list[tuple[str, float]]:
@@ -331,7 +337,6 @@ class _HotCollector(Collector):
         self.forwarded_seconds = _Histogram(REQUEST_BUCKETS)
         self.answered_seconds = _Histogram(REQUEST_BUCKETS)
         self.decision_seconds = _Histogram(DECISION_BUCKETS)
-        self.in_flight: dict[str, int] = {}
         self.control_ops: dict[tuple[str, str], int] = {}
 
     def collect(self) -> Iterator[Metric]:
@@ -361,14 +366,6 @@ class _HotCollector(Collector):
         )
         decision.add_metric((), self.decision_seconds.buckets(), self.decision_seconds.total)
         yield decision
-        in_flight = GaugeMetricFamily(
-            f"{_NAMESPACE}_in_flight_requests",
-            "Requests being forwarded to each worker now.",
-            labels=("worker",),
-        )
-        for worker, count in sorted(self.in_flight.items()):
-            in_flight.add_metric((worker,), count)
-        yield in_flight
         ops = CounterMetricFamily(
             f"{_NAMESPACE}_control_ops",
             "Control socket requests, by op and result (ok, or the error code).",
@@ -390,8 +387,10 @@ class _StateCollector(Collector):
         control_connections: Callable[[], int],
         recovery_remaining: Callable[[], float | None],
         journal_write_errors: Callable[[], int] | None,
+        in_flight: Callable[[], Iterable[tuple[str, int]]],
     ) -> None:
         self._claims = claims_by_worker_kind
+        self._in_flight = in_flight
         self._tombstones = tombstones
         self._workers = workers
         self._connections = control_connections
@@ -401,7 +400,13 @@ class _StateCollector(Collector):
     def describe(self) -> Iterator[Metric]:
         """The families without samples: registration checks names without reading state."""
         return self._families(
-            claims={}, tombstones=0, workers=(), connections=0, remaining=None, journal_errors=0
+            claims={},
+            tombstones=0,
+            workers=(),
+            in_flight=(),
+            connections=0,
+            remaining=None,
+            journal_errors=0,
         )
 
     def collect(self) -> Iterator[Metric]:
@@ -409,6 +414,7 @@ class _StateCollector(Collector):
             claims=self._claims(),
             tombstones=self._tombstones(),
             workers=list(self._workers()),
+            in_flight=list(self._in_flight()),
             connections=self._connections(),
             remaining=self._recovery_remaining(),
             journal_errors=self._journal_write_errors() if self._journal_write_errors else 0,
@@ -420,6 +426,7 @@ class _StateCollector(Collector):
         claims: dict[tuple[str, str], int],
         tombstones: int,
         workers: Iterable[tuple[str, str, bool]],
+        in_flight: Iterable[tuple[str, int]],
         connections: int,
         remaining: float | None,
         journal_errors: int,
@@ -427,6 +434,16 @@ class _StateCollector(Collector):
         yield _claims_family(claims)
         yield _gauge("tombstones", "Ended session keys remembered as tombstones.", tombstones)
         yield from _worker_families(workers)
+        # Read from the workers at scrape time instead of counted per request (two calls
+        # a request): see _Histogram.observe for the figure.
+        requests = GaugeMetricFamily(
+            f"{_NAMESPACE}_in_flight_requests",
+            "Requests being forwarded to each worker now.",
+            labels=("worker",),
+        )
+        for worker, count in sorted(in_flight):
+            requests.add_metric((worker,), count)
+        yield requests
         yield _gauge("control_connections", "Open control socket connections.", connections)
         left = remaining if remaining is not None and remaining > 0.0 else 0.0
         recovering = (

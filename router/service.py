@@ -113,6 +113,7 @@ class RouterService:
             claims_by_worker_kind=core.claims.held_counts_by_kind,
             tombstones=lambda: core.claims.tombstone_count,
             workers=lambda: ((w.id, w.state.value, w.draining) for w in core.workers),
+            in_flight=lambda: ((w.id, w.in_flight) for w in core.workers),
             control_connections=lambda: self.control.connection_count,
             recovery_remaining=recovery_remaining,
             journal_write_errors=lambda: self.journal.write_errors if self.journal else 0,

@@ -495,6 +495,7 @@ def exposed_labels() -> dict[str, set[str]]:
         claims_by_worker_kind=lambda: {("w0", "episode"): 1},
         tombstones=lambda: 0,
         workers=lambda: [("w0", "live", False)],
+        in_flight=lambda: [("w0", 1)],
         control_connections=lambda: 0,
         recovery_remaining=lambda: None,
         journal_write_errors=lambda: 0,
@@ -506,7 +507,6 @@ def exposed_labels() -> dict[str, set[str]]:
     metrics.claim_conflict()
     metrics.learned("episode")
     metrics.learn_conflict("episode")
-    metrics.in_flight("w0", 1)
     metrics.worker_transition("live")
     labels: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(metrics.render()[0].decode()):

@@ -25,6 +25,7 @@ class FakeState:
     claims: dict[tuple[str, str], int] = field(default_factory=dict)
     tombstones: int = 0
     workers: list[tuple[str, str, bool]] = field(default_factory=list)
+    in_flight: dict[str, int] = field(default_factory=dict)
     connections: int = 0
     recovery: float | None = None
     journal_errors: int = 0
@@ -47,6 +48,7 @@ def new_metrics(
         claims_by_worker_kind=s.read_claims,
         tombstones=lambda: s.tombstones,
         workers=lambda: s.workers,
+        in_flight=lambda: s.in_flight.items(),
         control_connections=lambda: s.connections,
         recovery_remaining=lambda: s.recovery,
         journal_write_errors=(lambda: s.journal_errors) if journal else None,
@@ -223,17 +225,14 @@ def test_upstream_failures_by_worker_and_kind() -> None:
     }
 
 
-def test_in_flight_goes_up_and_back_down_per_worker() -> None:
-    metrics = new_metrics()
-    metrics.in_flight("w0", 1)
-    metrics.in_flight("w0", 1)
-    metrics.in_flight("w1", 1)
+def test_in_flight_is_read_from_every_worker_at_scrape_time() -> None:
+    state = FakeState(in_flight={"w0": 2, "w1": 1})
+    metrics = new_metrics(state)
     assert series(scrape(metrics), "episode_router_in_flight_requests") == {
         "worker=w0": 2,
         "worker=w1": 1,
     }
-    metrics.in_flight("w0", -1)
-    metrics.in_flight("w1", -1)
+    state.in_flight.update(w0=1, w1=0)
     assert series(scrape(metrics), "episode_router_in_flight_requests", nonzero=False) == {
         "worker=w0": 1,
         "worker=w1": 0,
@@ -244,18 +243,12 @@ def test_worker_labels_stop_growing_at_the_bound() -> None:
     metrics = new_metrics(max_worker_labels=2)
     for worker in ("w0", "w1", "pid-123", "pid-456"):
         metrics.upstream_failure(worker, "refused")
-        metrics.in_flight(worker, 1)
     metrics.upstream_failure("w1", "refused")  # a known id keeps its own label
     samples = scrape(metrics)
     assert series(samples, "episode_router_upstream_failures_total") == {
         "kind=refused,worker=w0": 1,
         "kind=refused,worker=w1": 2,
         "kind=refused,worker=other": 2,
-    }
-    assert series(samples, "episode_router_in_flight_requests") == {
-        "worker=w0": 1,
-        "worker=w1": 1,
-        "worker=other": 2,
     }
 
 
@@ -450,7 +443,12 @@ FORBIDDEN_LABELS = {"key", "session", "token", "boot", "nonce", "url", "ep"}
 
 def populated() -> RouterMetrics:
     """An instance where every family has samples (so label names can be read)."""
-    state = FakeState(claims={("w0", "episode"): 1}, workers=[("w0", "live", False)], recovery=1.0)
+    state = FakeState(
+        claims={("w0", "episode"): 1},
+        workers=[("w0", "live", False)],
+        in_flight={"w0": 1},
+        recovery=1.0,
+    )
     metrics = new_metrics(state)
     metrics.request_done("episode", "forwarded", 200, 0.1)
     metrics.decision_seconds(1e-5)
@@ -459,7 +457,6 @@ def populated() -> RouterMetrics:
     metrics.claim_conflict()
     metrics.learned("episode")
     metrics.learn_conflict("episode")
-    metrics.in_flight("w0", 1)
     metrics.worker_transition("live")
     return metrics
 
