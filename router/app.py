@@ -79,7 +79,7 @@ class PublicHandler:
             reader = self.sessions
             if reader.has_seeds:
                 exchange.seeding = reader.seeding(request.method, exchange.path)
-            found = reader.read_head(request.headers, self._wall_clock(), exchange.seeding)
+            found = reader.read_head(request, self._wall_clock(), exchange.seeding)
             if found is None and reader.reads_bodies and _small_json_body(request, reader):
                 return self._session_from_body(exchange)
             decision = self._route(exchange, found)

@@ -40,7 +40,6 @@ from httptools import (
     HttpParserUpgrade,
     HttpRequestParser,
 )
-from multidict import CIMultiDict
 
 from router.answers import Answer, render
 from router.edge_request import PublicRequest, RequestBody
@@ -373,7 +372,6 @@ class EdgeConnection(asyncio.Protocol):
         if self._deadline_kind == _HEAD:
             self._set_deadline(None, 0)
         parser = self._parser
-        headers = CIMultiDict(self._headers)
         chunked = self._te_seen
         length_text = self._length_text
         # llhttp accepted only digits and refused a repeat or a length with chunked.
@@ -387,7 +385,7 @@ class EdgeConnection(asyncio.Protocol):
             _METHODS.get(method) or method.decode("ascii"),
             target,
             version,
-            headers,
+            None,  # the multidict is built from header_list if it is asked for
             remote=self._remote,
             host=authority or self._host or self._local_host,
             authority=authority,

@@ -145,6 +145,7 @@ class PublicRequest:
     """
 
     __slots__ = (
+        "_headers",
         "_whole_body",
         "authority",
         "body",
@@ -153,7 +154,6 @@ class PublicRequest:
         "content_length",
         "expect_continue",
         "header_list",
-        "headers",
         "host",
         "keep_alive",
         "method",
@@ -171,7 +171,7 @@ class PublicRequest:
         method: str,
         target: str,
         version: tuple[int, int],
-        headers: CIMultiDict[str],
+        headers: CIMultiDict[str] | None,
         *,
         remote: str | None,
         host: str,
@@ -187,11 +187,16 @@ class PublicRequest:
         self.target = target
         self.path = target.partition("?")[0]
         self.version = version
-        self.headers = headers
-        # The same (name, value) pairs in the order they came, as a list: what the request
-        # head for the worker is built from, instead of list(headers.items()) each time
+        # The (name, value) pairs in the order they came, as a list: what the request head
+        # for the worker is built from, instead of list(headers.items()) each time
         # (instructions per routed request, callgrind on bench.hotpath: 251,500 -> 244,900).
-        self.header_list = list(headers.items()) if header_list is None else header_list
+        # `headers` may be None: the multidict is then built from the list when first
+        # asked for (see the headers property).
+        if header_list is None:
+            assert headers is not None, "a PublicRequest needs its headers"
+            header_list = list(headers.items())
+        self.header_list = header_list
+        self._headers = headers
         self.remote = remote
         self.host = host
         self.keep_alive = keep_alive
@@ -205,6 +210,31 @@ class PublicRequest:
         self.client = client
         # Called once if the client connection closes while this request is handled.
         self.on_client_lost: Callable[[], None] | None = None
+
+    @property
+    def headers(self) -> CIMultiDict[str]:
+        """The headers as a case-insensitive multidict (built on first use when the edge
+        gave only the list)."""
+        headers = self._headers
+        if headers is None:
+            headers = self._headers = CIMultiDict(self.header_list)
+        return headers
+
+    def getall(self, key: str, default: list[str]) -> list[str]:
+        """The values of header `key` (any case) in order, else `default`: what
+        `headers.getall` answers, read off the list. A forwarded request's session is
+        read this way, so the multidict is never built for it: instructions per routed
+        request (callgrind on bench.hotpath, compiled): 105,000 -> 102,200."""
+        wanted = key.lower()
+        size = len(wanted)
+        found: list[str] | None = None
+        for pair in self.header_list:
+            name = pair[0]
+            if len(name) == size and name.lower() == wanted:
+                if found is None:
+                    found = []
+                found.append(pair[1])
+        return default if found is None else found
 
     @property
     def version_11(self) -> bool:

@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 from router_fixtures import RawHttp, Rig, open_rig, router_config
 
+from router.answers import Answer
 from router.config import LimitsConfig
+from router.edge import EdgeLimits, EdgeServer
+from router.edge_request import PublicRequest
 from router.edge_wire import HeadRefusal, head_refusal_answer
 
 
@@ -93,3 +96,43 @@ async def test_a_slow_body_is_not_cut_by_the_head_timeout(rig: Rig, tmp_path: Pa
         assert status == 200
     finally:
         conn.close()
+
+
+# --- the request's headers ----------------------------------------------------------------
+
+
+async def test_a_request_reads_a_header_off_its_list_as_the_multidict_does() -> None:
+    """`PublicRequest.getall` (how the handler reads a forwarded request's session, with
+    no multidict built) answers what `headers.getall` does: any case, repeats in order,
+    the default when absent, no prefix or longer name matched."""
+    names = ("x-token", "X-TOKEN", "X-Token", "cookie", "HOST", "x-tok", "x-token-2", "absent")
+    seen: list[dict[str, tuple[list[str], list[str]]]] = []
+
+    def handler(request: PublicRequest) -> None:
+        seen.append(
+            {n: (request.getall(n, ["-"]), request.headers.getall(n, ["-"])) for n in names}
+        )
+        request.client.answer(request, Answer("no_worker", "read"))
+        request.client.finished(request)
+
+    loop = asyncio.get_running_loop()
+    edge = EdgeServer(handler, EdgeLimits(), loop)
+    server = await loop.create_server(edge, "127.0.0.1", 0)
+    try:
+        conn = await RawHttp.open(int(server.sockets[0].getsockname()[1]))
+        conn.send(
+            b"GET / HTTP/1.1\r\nHost: h\r\nX-Token: a\r\nx-tok: b\r\nX-TOKEN: c\r\n"
+            b"Cookie: k=v\r\nX-Token-2: d\r\nx-token: e\r\n\r\n"
+        )
+        status, _, _ = await asyncio.wait_for(conn.read_reply(), 5)
+        conn.close()
+    finally:
+        server.close()
+        await edge.shutdown(0.5)
+    assert status == 503
+    [views] = seen
+    assert views["x-token"][0] == ["a", "c", "e"]
+    assert views["x-tok"][0] == ["b"]
+    assert views["absent"][0] == ["-"]
+    for name, (from_list, from_multidict) in views.items():
+        assert from_list == from_multidict, name
