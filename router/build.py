@@ -30,12 +30,22 @@ def stale_extensions(package: Path | None = None) -> list[str]:
     """The sources of the compiled modules in `package` (this one by default) that are
     newer than their build: an editable install whose sources changed since it was
     built. Python imports the extension, so the edit does not run until
-    `pip install -e .` builds it again."""
+    `pip install -e .` builds it again.
+
+    Only a source checkout is judged (a setup.py beside the package): an installed
+    wheel's files carry no build times worth comparing. A module counts as built when
+    its own extension or mypyc's shared library beside the package (rebuilt whenever
+    any module changes) is newer than its source.
+    """
     folder = package if package is not None else Path(edge.__file__ or "").parent
+    if not (folder.parent / "setup.py").is_file():
+        return []
     stale = []
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        shared = [path.stat().st_mtime for path in folder.parent.glob(f"*__mypyc{suffix}")]
         for extension in folder.glob(f"*{suffix}"):
             source = extension.with_name(extension.name[: -len(suffix)] + ".py")
-            if source.exists() and source.stat().st_mtime > extension.stat().st_mtime:
+            built = max([extension.stat().st_mtime, *shared])
+            if source.exists() and source.stat().st_mtime > built:
                 stale.append(source.name)
     return sorted(stale)

@@ -47,7 +47,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="episode-router",
         description="Routes each episode's requests to the worker process that holds it.",
     )
-    version = importlib.metadata.version("episode-router")
+    try:
+        version = importlib.metadata.version("episode-router")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        version = "unknown"
     parser.add_argument(
         "--version", action="version", version=f"episode-router {version} ({build_name()})"
     )

@@ -11,9 +11,10 @@ exposes, and the registry they live in. It has two halves:
 
 It must never put a session key, a token, a boot id or any other string a
 client or worker chose into a label. Every label value comes from a fixed set
-named here, from the configured session kinds, or is a worker id (at most
-`max_worker_labels` of them); anything outside those sets is counted as
-"other", so a hostile peer cannot grow the series count. It never touches
+named here, from the configured session kinds, or is a worker id (the event
+metrics take at most `max_worker_labels` of them; the state collector's follow
+the known workers); anything outside those sets is counted as "other", so a
+hostile peer cannot grow the series count. It never touches
 prometheus_client's global registry, opens no socket and reads no clock.
 """
 
@@ -291,7 +292,7 @@ class _Histogram:
     """Bucket counts as plain ints, turned into a histogram family at scrape time.
 
     `observe` is a short scan and two additions. Moving the request counter, both
-    histograms, the in-flight gauge and the control-op counter here from
+    histograms, the in-flight gauge (since read at scrape time) and the control-op counter here from
     prometheus_client's objects (a lock and a value object per update, seven updates
     per forwarded request) took the router's cost per forwarded request from 339,000
     to 310,000 instructions (valgrind --tool=callgrind on bench.hotpath).
