@@ -217,8 +217,8 @@ def serialize_request_head(method: str, target: str, headers: Iterable[tuple[str
 
 def _encode_head(lines: list[str]) -> bytes:
     # Every CR and LF must be ours: the lines joined without them are searched for one
-    # (memchr), which costs less than counting them in the head (a loop over every
-    # character): ~3,300 -> ~1,500 instructions a head (callgrind).
+    # (memchr). Counting them in the head instead took ~3,300 instructions a head, two
+    # loops over every character (callgrind).
     flat = "".join(lines)
     if "\n" in flat or "\r" in flat:
         raise ValueError("a header name or value carries a line break")
