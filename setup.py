@@ -44,6 +44,7 @@ COMPILED_MODULES = [
     "router/relay_request.py",
     "router/relay_wire.py",
     "router/sessions.py",
+    "router/token_cache.py",
     "router/workers.py",
 ]
 

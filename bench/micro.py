@@ -40,7 +40,8 @@ from bench.load import run_async
 from bench.peers import router_config
 from bench.procstat import rss_bytes
 from router.claims import ClaimTable
-from router.tokens import SigningKey, TokenCache, mint_token, new_nonce, parse_token
+from router.token_cache import TokenCache
+from router.tokens import SigningKey, mint_token, new_nonce, parse_token
 
 __all__ = ["Figure", "bench_claims", "bench_control", "bench_tokens", "judge", "main"]
 

@@ -38,8 +38,9 @@ from router.formats import (
     raw_session_key,
     starlette_session_key,
 )
+from router.token_cache import TokenCache
 from router.token_errors import RefusedValue
-from router.tokens import TokenCache, TokenVerifier, parse_token
+from router.tokens import TokenVerifier, parse_token
 
 
 class Headers(Protocol):

@@ -113,44 +113,6 @@ def parse_token(token: str, *, now: float, verifier: TokenVerifier | None = None
     return claims
 
 
-class TokenCache:
-    """The keys of tokens already parsed (and verified, with a verifier), by token text.
-
-    Every call of an episode carries the same token, so after its first request a token
-    costs one dict probe instead of a parse and a signature check: 11.5 µs -> 0.1 µs per
-    HS256 token (bench.micro --only tokens). Only a token that passed every check is
-    kept, under its full text, signature included: a token that differs in any byte is
-    parsed anew. Expiry is checked on every hit; an expired entry is parsed again, so
-    the refusal says why. At most `max_entries` are kept, the oldest dropped first.
-    """
-
-    __slots__ = ("_entries", "_max_entries", "_verifier")
-
-    def __init__(self, verifier: TokenVerifier | None, max_entries: int = 16_384) -> None:
-        self._verifier = verifier
-        self._max_entries = max_entries
-        self._entries: dict[str, tuple[str, int | None]] = {}
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def key(self, token: str, now: float) -> str:
-        """The episode key `token` names; raises TokenError as `parse_token` does."""
-        entry = self._entries.get(token)
-        if entry is not None:
-            key, exp = entry
-            if exp is None or exp > now:
-                return key
-            del self._entries[token]
-        claims = parse_token(token, now=now, verifier=self._verifier)
-        entries = self._entries
-        if len(entries) >= self._max_entries:
-            del entries[next(iter(entries))]  # dicts keep insertion order: the oldest
-        key = claims.key
-        entries[token] = (key, claims.exp)
-        return key
-
-
 def mint_token(
     *,
     ep: str,

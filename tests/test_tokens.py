@@ -17,11 +17,11 @@ from cryptography.hazmat.primitives.asymmetric.utils import (
     encode_dss_signature,
 )
 
+from router.token_cache import TokenCache
 from router.tokens import (
     MAX_TOKEN_BYTES,
     EpisodeToken,
     SigningKey,
-    TokenCache,
     TokenError,
     TokenVerifier,
     episode_key,
