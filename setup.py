@@ -3,7 +3,7 @@
 The modules a forwarded request runs through are plain, strictly typed Python
 (`mypy --strict` checks them). mypyc, mypy's compiler, turns them into C extensions
 with the same behaviour, which takes the router's CPU per forwarded request from
-39.2-41.7 to 25.3-25.8 µs (`python -m bench.hotpath`, one process, same machine).
+39.2-41.7 to about 25-26 µs (`python -m bench.hotpath`, one process, same machine).
 
 The extensions are all or nothing, and optional: where mypyc or a C compiler is
 missing, or fails, or with EPISODE_ROUTER_PURE_PYTHON=1 in the environment, the
