@@ -172,7 +172,7 @@ class PublicHandler:
         problem = framing_problem(
             request.method,
             request.version,
-            request.headers.getall("Transfer-Encoding", ()) if request.chunked else (),
+            request.getall("Transfer-Encoding", []) if request.chunked else (),
             length,
             request.target,
         )
@@ -300,7 +300,7 @@ class PublicHandler:
             return None
         request = exchange.request
         plan = plan_learning(
-            reader, request.method, exchange.path, exchange.found, exchange.seeding, request.headers
+            reader, request.method, exchange.path, exchange.found, exchange.seeding, request
         )
         if not plan:
             return None
