@@ -199,7 +199,9 @@ class EdgeConnection(asyncio.Protocol):
         # The head being parsed.
         self._in_head = False
         self._url = b""
-        self._headers: list[tuple[str, str]] = []
+        # The header pairs as llhttp gave them, bytes: decoded only when something asks
+        # for text (see PublicRequest.header_list).
+        self._headers: list[tuple[bytes, bytes]] = []
         self._note_head_start()
         self._refusal_kind = HeadRefusal.MALFORMED
         # Requests parsed and not yet answered, the one being handled first.
@@ -329,9 +331,9 @@ class EdgeConnection(asyncio.Protocol):
         # The headers the edge itself reads, noted as they arrive (the first of each; any
         # Transfer-Encoding at all) instead of looked up in the multidict afterwards.
         self._te_seen = False
-        self._length_text: str | None = None
+        self._length_text: bytes | None = None
         self._host: str | None = None
-        self._expect: str | None = None
+        self._expect: bytes | None = None
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -349,23 +351,23 @@ class EdgeConnection(asyncio.Protocol):
         if len(self._headers) >= limits.max_headers:
             self._refusal_kind = HeadRefusal.TOO_MANY_HEADERS
             raise _HeadLimit
-        # llhttp let only token characters into a name; a value keeps its exact bytes
-        # through the surrogate escapes, to be encoded back for the worker.
-        text = value.decode("utf-8", "surrogateescape")
-        self._headers.append((name.decode("latin-1"), text))
+        # Kept as the bytes llhttp gave (only token characters in a name, no CR or LF in a
+        # value): the worker's head is built from them, and text is decoded only for the
+        # few headers the router reads.
+        self._headers.append((name, value))
         # Their lengths rule most names out without a lower().
         size = len(name)
         if size == 4:
             if self._host is None and name.lower() == b"host":
-                self._host = text
+                self._host = value.decode("utf-8", "surrogateescape")
         elif size == 14:
             if self._length_text is None and name.lower() == b"content-length":
-                self._length_text = text
+                self._length_text = value
         elif size == 17:
             if name.lower() == b"transfer-encoding":
                 self._te_seen = True
         elif size == 6 and self._expect is None and name.lower() == b"expect":
-            self._expect = text
+            self._expect = value
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -385,7 +387,6 @@ class EdgeConnection(asyncio.Protocol):
             _METHODS.get(method) or method.decode("ascii"),
             target,
             version,
-            None,  # the multidict is built from header_list if it is asked for
             remote=self._remote,
             host=authority or self._host or self._local_host,
             authority=authority,
@@ -394,13 +395,13 @@ class EdgeConnection(asyncio.Protocol):
             chunked=chunked,
             body=body,
             client=self,
-            header_list=self._headers,
+            raw_headers=self._headers,
         )
         if body is not None:
             self._receiving = request
             expect = self._expect
             request.expect_continue = (
-                expect is not None and expect.lower() == "100-continue" and version >= (1, 1)
+                expect is not None and expect.lower() == b"100-continue" and version >= (1, 1)
             )
         # Handed to the handler once this read is parsed (data_received), so a body that
         # came with its head is complete by then.

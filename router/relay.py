@@ -18,9 +18,8 @@ so the client sees an incomplete reply rather than a forged clean end.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Mapping
-from types import MappingProxyType
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, Final
 
 from multidict import CIMultiDict
 
@@ -56,7 +55,8 @@ __all__ = [
     "rewrite_location",
 ]
 
-_NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+# Never written to: see router.relay_wire._NO_EXTRA.
+_NO_HEADERS: Final[dict[str, str]] = {}
 
 
 class _Exchange:
@@ -183,7 +183,7 @@ class Forwarder:
         request: PublicRequest,
         upstream: Upstream,
         *,
-        extra_headers: Mapping[str, str] = _NO_HEADERS,
+        extra_headers: dict[str, str] = _NO_HEADERS,
         public_base: str | None = None,
         body: bytes | None = None,
         observer: ReplyObserver | None = None,
@@ -215,7 +215,7 @@ class Forwarder:
         upstream: Upstream,
         on_done: Callable[[int | Coroutine[Any, Any, int]], None],
         *,
-        extra_headers: Mapping[str, str] = _NO_HEADERS,
+        extra_headers: dict[str, str] = _NO_HEADERS,
         public_base: str | None = None,
         body: bytes | None = None,
     ) -> bool:
@@ -246,7 +246,7 @@ class Forwarder:
         request: PublicRequest,
         upstream: Upstream,
         on_done: Callable[[int | Coroutine[Any, Any, int]], None],
-        extra_headers: Mapping[str, str],
+        extra_headers: dict[str, str],
         public_base: str | None,
         body: bytes | None,
     ) -> bool:
@@ -323,7 +323,7 @@ class Forwarder:
         return pool
 
     def _outgoing(
-        self, exchange: _Exchange, extra: Mapping[str, str], body: bytes | None
+        self, exchange: _Exchange, extra: dict[str, str], body: bytes | None
     ) -> tuple[bytes, bytes | None]:
         """The request head and, when it is all here, the framed body (None: it streams)."""
         request = exchange.request
@@ -353,7 +353,7 @@ class Forwarder:
             head = worker_request_head(
                 method,
                 request.target,
-                request.header_list,
+                request.raw_headers,
                 worker_host=exchange.pool.address.host_header,
                 client_ip=request.remote,
                 scheme=request.scheme,
