@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from time import perf_counter
 from typing import Any, Final
 
 from router.answers import Answer
@@ -73,7 +74,7 @@ class PublicHandler:
         that must wait (a body to read for its session, a new worker connection, a
         reply to stream, a failure to look into) is returned as a coroutine to run.
         """
-        exchange = _Exchange(request, time.perf_counter())
+        exchange = _Exchange(request, perf_counter())
         refusal = self._refuse_early(request)
         if refusal is None:
             reader = self.sessions
@@ -122,7 +123,7 @@ class PublicHandler:
         exchange.kind = kind
         decision = self.core.route(kind, key, self._clock())
         if self.metrics is not None:
-            self.metrics.decision_seconds(time.perf_counter() - exchange.started)
+            self.metrics.decision_seconds(perf_counter() - exchange.started)
         if isinstance(decision, Answer):
             self._answer(exchange, decision)
             return None
@@ -146,7 +147,7 @@ class PublicHandler:
 
     def _finish(self, exchange: _Exchange) -> None:
         """Counts and logs a request the router is done with."""
-        elapsed = time.perf_counter() - exchange.started
+        elapsed = perf_counter() - exchange.started
         metrics = self.metrics
         if metrics is not None:
             metrics.request_done(exchange.kind, exchange.outcome, exchange.status, elapsed)

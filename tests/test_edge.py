@@ -101,17 +101,13 @@ async def test_a_slow_body_is_not_cut_by_the_head_timeout(rig: Rig, tmp_path: Pa
 # --- the request's headers ----------------------------------------------------------------
 
 
-async def test_a_request_reads_a_header_off_its_list_as_the_multidict_does() -> None:
-    """`PublicRequest.getall` (how the handler reads a forwarded request's session, with
-    no multidict built) answers what `headers.getall` does: any case, repeats in order,
-    the default when absent, no prefix or longer name matched."""
-    names = ("x-token", "X-TOKEN", "X-Token", "cookie", "HOST", "x-tok", "x-token-2", "absent")
-    seen: list[dict[str, tuple[list[str], list[str]]]] = []
+async def requests_read(data: bytes) -> list[PublicRequest]:
+    """The requests an edge reads from `data`, sent on one connection, each answered 503
+    by the handler (the reply is awaited: the request was read whole)."""
+    seen: list[PublicRequest] = []
 
     def handler(request: PublicRequest) -> None:
-        seen.append(
-            {n: (request.getall(n, ["-"]), request.headers.getall(n, ["-"])) for n in names}
-        )
+        seen.append(request)
         request.client.answer(request, Answer("no_worker", "read"))
         request.client.finished(request)
 
@@ -120,17 +116,48 @@ async def test_a_request_reads_a_header_off_its_list_as_the_multidict_does() -> 
     server = await loop.create_server(edge, "127.0.0.1", 0)
     try:
         conn = await RawHttp.open(int(server.sockets[0].getsockname()[1]))
-        conn.send(
-            b"GET / HTTP/1.1\r\nHost: h\r\nX-Token: a\r\nx-tok: b\r\nX-TOKEN: c\r\n"
-            b"Cookie: k=v\r\nX-Token-2: d\r\nx-token: e\r\n\r\n"
-        )
+        conn.send(data)
         status, _, _ = await asyncio.wait_for(conn.read_reply(), 5)
         conn.close()
     finally:
         server.close()
         await edge.shutdown(0.5)
     assert status == 503
-    [views] = seen
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("head", "version", "keep_alive"),
+    [
+        (b"GET / HTTP/1.1\r\nHost: h\r\n", (1, 1), True),
+        (b"GET / HTTP/1.1\r\nConnection: close\r\n", (1, 1), False),
+        (b"GET / HTTP/1.1\r\nConnection: keep-alive\r\n", (1, 1), True),
+        (b"GET / HTTP/1.0\r\nHost: h\r\n", (1, 0), False),
+        (b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n", (1, 0), True),
+        (b"GET / HTTP/1.0\r\nProxy-Connection: Keep-Alive\r\n", (1, 0), True),
+        (b"GET / HTTP/2.0\r\nHost: h\r\n", (2, 0), False),
+    ],
+)
+async def test_a_request_has_the_version_and_keep_alive_it_was_sent_with(
+    head: bytes, version: tuple[int, int], keep_alive: bool
+) -> None:
+    """The edge knows HTTP/1.1 from llhttp's keep-alive when no Connection header could
+    have set it, and asks llhttp for the version otherwise: both ways agree with what
+    was sent."""
+    [request] = await requests_read(head + b"\r\n")
+    assert (request.version, request.keep_alive) == (version, keep_alive)
+
+
+async def test_a_request_reads_a_header_off_its_list_as_the_multidict_does() -> None:
+    """`PublicRequest.getall` (how the handler reads a forwarded request's session, with
+    no multidict built) answers what `headers.getall` does: any case, repeats in order,
+    the default when absent, no prefix or longer name matched."""
+    names = ("x-token", "X-TOKEN", "X-Token", "cookie", "HOST", "x-tok", "x-token-2", "absent")
+    [request] = await requests_read(
+        b"GET / HTTP/1.1\r\nHost: h\r\nX-Token: a\r\nx-tok: b\r\nX-TOKEN: c\r\n"
+        b"Cookie: k=v\r\nX-Token-2: d\r\nx-token: e\r\n\r\n"
+    )
+    views = {n: (request.getall(n, ["-"]), request.headers.getall(n, ["-"])) for n in names}
     assert views["x-token"][0] == ["a", "c", "e"]
     assert views["x-tok"][0] == ["b"]
     assert views["absent"][0] == ["-"]
