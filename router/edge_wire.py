@@ -24,6 +24,7 @@ __all__ = [
     "answer_head",
     "continue_line",
     "date_header",
+    "head_additions",
     "head_refusal_answer",
     "reply_head",
     "split_target",
@@ -92,6 +93,28 @@ class _DateCache:
 
 
 date_header = _DateCache()
+
+
+def head_additions(
+    status: int,
+    has_length: bool,
+    has_date: bool,
+    *,
+    version_11: bool,
+    head_request: bool,
+    keep_alive: bool,
+) -> bytes | None:
+    """What `reply_head` would add to a worker's HTTP/1.1 head (its headers all kept for
+    the client; `has_length`, `has_date`: a Content-Length and a Date among them): b""
+    for nothing, or the Date line; None when it would write more than that. It adds no
+    more to a kept-alive HTTP/1.1 exchange whose reply has a body framed by its
+    Content-Length. The worker's head may then be relayed as its bytes, with the
+    addition before its final CRLF."""
+    if not version_11 or head_request or not keep_alive or not has_length:
+        return None
+    if status < 200 or status in _NO_BODY_STATUSES:
+        return None
+    return b"" if has_date else date_header.line
 
 
 def reply_head(

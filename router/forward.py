@@ -28,6 +28,7 @@ __all__ = [
     "ReplyObserver",
     "Upstream",
     "UpstreamFailure",
+    "keeps_every_reply_header",
     "relayed_reply_headers",
     "remember_role",
     "reply_headers_for_client",
@@ -254,6 +255,18 @@ def relayed_reply_headers(
                 value = rewritten.encode("utf-8", "surrogateescape")
             out.append((pair[0], value))
     return out
+
+
+def keeps_every_reply_header(worker_headers: list[tuple[bytes, bytes]]) -> bool:
+    """True when `relayed_reply_headers` would keep every one of `worker_headers` as it
+    is: none dropped, none rewritten."""
+    for pair in worker_headers:
+        role = _REPLY_ROLES.get(pair[0])
+        if role is None:
+            role = _reply_role(pair[0])
+        if role != _REPLY_KEEP:
+            return False
+    return True
 
 
 # What a worker's reply header becomes for the client, by name: worked out once per

@@ -29,6 +29,7 @@ from router.forward import (
     ReplyObserver,
     Upstream,
     UpstreamFailure,
+    keeps_every_reply_header,
     relayed_reply_headers,
     reply_headers_for_client,
     request_headers_for_worker,
@@ -536,11 +537,23 @@ class Forwarder:
         conn = exchange.conn
         assert conn is not None
         reply = conn.reply
+        request = exchange.request
+        whole = reply.whole
+        client = request.client
+        if (
+            whole is not None
+            and keeps_every_reply_header(reply.raw_headers)
+            and client.reply_as_is(
+                request, reply.status, whole, reply.content_length, reply.has_date
+            )
+        ):
+            conn.take_body()  # it went within `whole`
+            exchange.settle(clean=True)  # before the caller hears: the connection is free
+            return reply.status
         headers = _client_headers(exchange, public_base)
         body = conn.take_body()
         exchange.settle(clean=True)  # before the client write: the reply is all in
-        request = exchange.request
-        request.client.reply_whole(request, reply.status, reply.raw_reason, headers, body)
+        client.reply_whole(request, reply.status, reply.raw_reason, headers, body)
         return reply.status
 
     async def _whole_reply(self, conn: WorkerConnection) -> str | None:

@@ -48,6 +48,7 @@ MAX_REPLY_HEAD = 256 * 1024
 # directly, where a Mapping's items() is a generic method call).
 _NO_EXTRA: Final[dict[str, str]] = {}
 _NONE_NAMED: frozenset[str] = frozenset()
+_HTTP_11_STATUS: Final = b"HTTP/1.1 "
 CLOSED_BEFORE_REPLY = "it closed the connection before replying"
 SWITCHED = "it switched protocols, which is not forwarded"
 
@@ -296,15 +297,20 @@ class ReplyParser:
     `feed_eof()` when the worker closes. State, read after each call:
     - `head_done`: the final (non-1xx) reply head is in: `status`, `raw_reason`
       (`reason` decodes it), `raw_headers` (name, value pairs as bytes, in order,
-      repeats kept; `headers` decodes them), `content_length`;
+      repeats kept; `headers` decodes them), `content_length`, `has_date` (a Date
+      header is among them);
     - `chunks`/`buffered`: body bytes not yet taken (`take_body()`);
     - `complete`: the reply ended; `reusable`: the connection may carry another exchange;
-    - `broken`: why the reply cannot be relayed (before the head) or finished (after it).
+    - `broken`: why the reply cannot be relayed (before the head) or finished (after it);
+    - `whole`: the reply's exact bytes, when it came in one `feed()` with nothing before
+      or after it (no interim head), is an HTTP/1.1 reply and does not answer a HEAD;
+      else None. A reply that needs no change is relayed as these bytes.
 
     The `on_*` methods are llhttp's callbacks; nothing else should call them.
     """
 
     __slots__ = (
+        "_had_interim",
         "_head_request",
         "_headers",
         "_interim",
@@ -316,6 +322,7 @@ class ReplyParser:
         "chunks",
         "complete",
         "content_length",
+        "has_date",
         "head_bytes",
         "head_done",
         "raw_headers",
@@ -323,6 +330,7 @@ class ReplyParser:
         "received",
         "reusable",
         "status",
+        "whole",
     )
 
     def __init__(self) -> None:
@@ -340,12 +348,15 @@ class ReplyParser:
             self._parser_spent = False
         self._head_request = head_request
         self._interim = False
+        self._had_interim = False
+        self.whole: bytes | None = None
         self._transfer_encoding: str | None = None
         self.broken: str | None = None
         self.buffered = 0
         self.chunks: list[bytes] = []
         self.complete = False
         self.content_length: int | None = None
+        self.has_date = False
         self.head_bytes = 0
         self.head_done = False
         self.raw_headers: list[tuple[bytes, bytes]] = []
@@ -396,6 +407,14 @@ class ReplyParser:
             self._fail(self.broken or f"invalid reply: {exc}")
         if not self.head_done and self.head_bytes > MAX_REPLY_HEAD and self.broken is None:
             self._fail(f"invalid reply: a reply head over {MAX_REPLY_HEAD // 1024} KiB")
+        elif (
+            self.reusable  # complete, and nothing after it
+            and self.received == len(data)
+            and not self._had_interim
+            and not self._head_request
+            and data.startswith(_HTTP_11_STATUS)
+        ):
+            self.whole = data
 
     def feed_eof(self) -> None:
         """The worker closed the connection: ends an until-close body, else breaks the
@@ -450,11 +469,13 @@ class ReplyParser:
             self.broken = f"invalid reply: a header line over {MAX_REPLY_FIELD // 1024} KiB"
             raise ValueError(self.broken)
         size = len(name)
-        # Only two names matter here; their lengths rule most names out without lower().
+        # Only three names matter here; their lengths rule most names out without lower().
         if size == 14 and name.lower() == b"content-length":
             self.content_length = int(value)  # llhttp has checked it is one decimal number
         elif size == 17 and name.lower() == b"transfer-encoding":
             self._transfer_encoding = value.decode("utf-8", "surrogateescape")
+        elif size == 4 and name.lower() == b"date":
+            self.has_date = True
         self.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -466,9 +487,11 @@ class ReplyParser:
             # An interim reply (100 Continue, 103 Early Hints) is never relayed: the
             # router already answered Expect itself, and the final head follows.
             self._interim = True
+            self._had_interim = True
             self.raw_headers = []
             self.raw_reason = b""
             self.content_length = None
+            self.has_date = False
             self._transfer_encoding = None
             return
         self.status = status

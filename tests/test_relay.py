@@ -273,6 +273,58 @@ async def test_interim_replies_never_reach_the_client(stack: AsyncExitStack) -> 
     assert b"Continue" not in reply and b"Link" not in reply
 
 
+AS_SENT = b"HTTP/1.1 200 Fine\r\nX-Odd:value \t\r\nDate: Mon, 30 Nov 2026 08:00:00 GMT\r\n"
+SIZED = AS_SENT + b"Content-Length: 2\r\n\r\nok"
+GET_11 = b"GET / HTTP/1.1\r\nHost: h\r\n"
+
+
+@pytest.mark.parametrize(
+    ("request_head", "reply", "as_is"),
+    [
+        (GET_11, SIZED, True),
+        # The router adds a Connection header, or speaks HTTP/1.0, or drops a header.
+        (b"GET / HTTP/1.1\r\nConnection: close\r\n", SIZED, False),
+        (b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n", SIZED, False),
+        (GET_11, SIZED.replace(b"Date", b"Keep-Alive: timeout=5\r\nDate"), False),
+        # The router frames a body with no length, and keeps a 204 free of one.
+        (GET_11, AS_SENT + b"Transfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n", False),
+        (GET_11, AS_SENT.replace(b"200", b"204") + b"Content-Length: 0\r\n\r\n", False),
+    ],
+)
+async def test_a_reply_the_router_would_not_change_goes_as_the_worker_wrote_it(
+    stack: AsyncExitStack, request_head: bytes, reply: bytes, as_is: bool
+) -> None:
+    """A whole reply the client may have as it is (kept alive, HTTP/1.1, every header
+    kept, framed by its length, dated) is relayed as the worker's bytes: its odd spacing
+    stays. Any other is rebuilt, and the spacing is the router's."""
+    ref: list[ScriptedWorker] = []
+    worker = ScriptedWorker(answering(ref, [reply]))
+    ref.append(worker)
+    router = await start_router(stack, await worker.start(stack))
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+    writer.write(request_head + b"\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    writer.close()
+    assert (b"X-Odd:value \t\r\n" in head) is as_is
+    assert (head == reply[: len(head)]) is as_is
+    assert b"X-Odd: value \t\r\n" in head or as_is
+
+
+async def test_a_reply_with_no_date_goes_as_written_with_the_date_added(
+    stack: AsyncExitStack,
+) -> None:
+    reply = b"HTTP/1.1 200 OK\r\nX-Odd:value\r\nContent-Length: 2\r\n\r\nok"
+    ref: list[ScriptedWorker] = []
+    worker = ScriptedWorker(answering(ref, [reply]))
+    ref.append(worker)
+    router = await start_router(stack, await worker.start(stack))
+    [relayed] = await exchange(router.port, b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
+    head, _, date = relayed.rpartition(b"\r\n\r\n")[0].rpartition(b"\r\n")
+    assert head + b"\r\n" == reply[: len(head) + 2]
+    assert date.startswith(b"Date: ") and date.endswith(b" GMT")
+    assert relayed.endswith(b"\r\n\r\nok")
+
+
 async def test_a_reply_ended_by_close_is_relayed_whole(stack: AsyncExitStack) -> None:
     ref: list[ScriptedWorker] = []
     worker = ScriptedWorker(answering(ref, [b"HTTP/1.1 200 OK\r\n\r\nuntil close"]))

@@ -267,6 +267,42 @@ def state(reply: ReplyParser) -> tuple[object, ...]:
     )
 
 
+WHOLE = b"HTTP/1.1 200 OK\r\nDate: x\r\nContent-Length: 2\r\n\r\nok"
+CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("data", "head_request", "split", "whole"),
+    [
+        (WHOLE, False, False, True),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+            False,
+            False,
+            True,
+        ),
+        (WHOLE, False, True, False),  # in pieces
+        (WHOLE + b"HTTP/1.1 200 OK\r\n", False, False, False),  # bytes after it
+        (b"HTTP/1.1 100 Continue\r\n\r\n" + WHOLE, False, False, False),  # an interim head
+        (WHOLE.replace(b"1.1", b"1.0"), False, False, False),  # another version
+        (WHOLE[: -len(b"ok")], True, False, False),  # the reply to a HEAD
+        (WHOLE[:-1], False, False, False),  # not complete
+    ],
+)
+def test_a_reply_is_kept_whole_only_when_it_came_alone_in_one_piece(
+    data: bytes, head_request: bool, split: bool, whole: bool
+) -> None:
+    reply = parse(data, head_request=head_request, split=split)
+    assert reply.whole == (data if whole else None)
+
+
+def test_a_reply_notes_its_date_header_and_forgets_an_interim_one() -> None:
+    assert parse(WHOLE).has_date
+    assert not parse(WHOLE.replace(b"Date", b"Data")).has_date
+    interim = b"HTTP/1.1 103 Early Hints\r\nDate: x\r\n\r\n"
+    assert not parse(interim + WHOLE.replace(b"Date", b"Data")).has_date
+
+
 @pytest.mark.parametrize("split", [False, True])
 def test_a_reply_with_a_length(split: bool) -> None:
     reply = parse(
