@@ -390,12 +390,37 @@ class _Exchange:
         self.request.client.drop()
 
 
+class _Destination:
+    """Where the forwards to one worker go and the headers the router adds (its boot),
+    kept while the worker's address and boot stay. Built per request, `_destination`
+    took ~1,300 instructions (its Upstream's release included); kept, ~650 (callgrind
+    on bench.hotpath, compiled)."""
+
+    __slots__ = ("boot", "extra", "upstream", "url")
+
+    def __init__(self, worker: Worker, boot: str | None) -> None:
+        self.url = worker.url
+        self.boot = boot
+        self.upstream = Upstream(worker.id, worker.url)
+        self.extra: dict[str, str] = {BOOT_HEADER: boot} if boot else _NO_EXTRA
+
+
+# The destinations kept, by worker id: emptied when this many, so workers that come and
+# go cannot grow it.
+MAX_KEPT_DESTINATIONS: Final = 1024
+_DESTINATIONS: Final[dict[str, _Destination]] = {}
+
+
 def _destination(exchange: _Exchange, decision: Forward) -> tuple[Upstream, dict[str, str], str]:
     """Where a forward goes, the headers the router adds (the boot), and the public
     origin a Location naming the worker is rewritten to."""
     worker = decision.worker
-    extra = {BOOT_HEADER: decision.boot} if decision.boot else _NO_EXTRA
-    return Upstream(worker.id, worker.url), extra, f"http://{exchange.request.host}"
+    kept = _DESTINATIONS.get(worker.id)
+    if kept is None or kept.url != worker.url or kept.boot != decision.boot:
+        if len(_DESTINATIONS) >= MAX_KEPT_DESTINATIONS:
+            _DESTINATIONS.clear()
+        kept = _DESTINATIONS[worker.id] = _Destination(worker, decision.boot)
+    return kept.upstream, kept.extra, f"http://{exchange.request.host}"
 
 
 def _small_json_body(request: PublicRequest, reader: SessionReader) -> bool:

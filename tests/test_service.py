@@ -326,6 +326,27 @@ async def test_a_new_boot_for_the_same_worker_id_retires_the_old_claims(rig: Rig
     intruder.abort()
 
 
+async def test_a_worker_id_back_at_a_new_address_with_a_new_boot_is_forwarded_there(
+    rig: Rig,
+) -> None:
+    """The router keeps where each worker's forwards go (its address, its boot header)
+    between requests: a worker id that comes back elsewhere, with another boot, gets
+    the next request at its new address, carrying its new boot."""
+    await rig.start_router(reconnect_grace_s=30.0)
+    first = await rig.add_worker("w0", lease="raw")
+    reply = await rig.request("GET", "/before")
+    assert reply.seen_headers(BOOT_HEADER) == [first.boot] and first.paths_seen() == ["/before"]
+    assert first.lease is not None
+    first.lease.abort()
+    await rig.wait_worker_state("w0", "lost")
+
+    second = await rig.add_worker("w0", lease="raw")
+    assert (second.url, second.boot) != (first.url, first.boot)
+    reply = await rig.request("GET", "/after")
+    assert reply.worker == "w0" and reply.seen_headers(BOOT_HEADER) == [second.boot]
+    assert second.paths_seen() == ["/after"] and first.paths_seen() == ["/before"]
+
+
 async def test_a_new_boot_does_not_inherit_a_drain_its_predecessor_asked_for(rig: Rig) -> None:
     await rig.start_router(reconnect_grace_s=30.0)
     worker = await rig.add_worker("w0", lease="raw")
