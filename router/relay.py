@@ -548,7 +548,9 @@ class Forwarder:
             )
         ):
             conn.take_body()  # it went within `whole`
-            exchange.settle(clean=True)  # before the caller hears: the connection is free
+            # After the client write here (the write calls back into nothing), before
+            # the caller hears: the next request may have the connection.
+            exchange.settle(clean=True)
             return reply.status
         headers = _client_headers(exchange, public_base)
         body = conn.take_body()

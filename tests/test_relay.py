@@ -108,6 +108,15 @@ async def start_router(stack: AsyncExitStack, upstream: Upstream) -> Router:
     return router
 
 
+async def router_to_a_worker_answering(stack: AsyncExitStack, replies: list[bytes]) -> Router:
+    """A router in front of a worker whose connection answers each request with the
+    next of `replies`."""
+    ref: list[ScriptedWorker] = []
+    worker = ScriptedWorker(answering(ref, replies))
+    ref.append(worker)
+    return await start_router(stack, await worker.start(stack))
+
+
 async def exchange(port: int, data: bytes, replies: int = 1) -> list[bytes]:
     """Sends `data` on one connection; returns `replies` replies (Content-Length framed,
     and no body after the head of a reply to HEAD)."""
@@ -260,11 +269,8 @@ async def test_a_worker_that_says_close_gets_a_new_connection(stack: AsyncExitSt
 
 
 async def test_interim_replies_never_reach_the_client(stack: AsyncExitStack) -> None:
-    ref: list[ScriptedWorker] = []
     interim = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </s>\r\n\r\n"
-    worker = ScriptedWorker(answering(ref, [interim + OK]))
-    ref.append(worker)
-    router = await start_router(stack, await worker.start(stack))
+    router = await router_to_a_worker_answering(stack, [interim + OK])
     reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
     writer.write(b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
     reply = await asyncio.wait_for(reader.read(), 5)
@@ -297,10 +303,7 @@ async def test_a_reply_the_router_would_not_change_goes_as_the_worker_wrote_it(
     """A whole reply the client may have as it is (kept alive, HTTP/1.1, every header
     kept, framed by its length, dated) is relayed as the worker's bytes: its odd spacing
     stays. Any other is rebuilt, and the spacing is the router's."""
-    ref: list[ScriptedWorker] = []
-    worker = ScriptedWorker(answering(ref, [reply]))
-    ref.append(worker)
-    router = await start_router(stack, await worker.start(stack))
+    router = await router_to_a_worker_answering(stack, [reply])
     reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
     writer.write(request_head + b"\r\n")
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
@@ -314,10 +317,7 @@ async def test_a_reply_with_no_date_goes_as_written_with_the_date_added(
     stack: AsyncExitStack,
 ) -> None:
     reply = b"HTTP/1.1 200 OK\r\nX-Odd:value\r\nContent-Length: 2\r\n\r\nok"
-    ref: list[ScriptedWorker] = []
-    worker = ScriptedWorker(answering(ref, [reply]))
-    ref.append(worker)
-    router = await start_router(stack, await worker.start(stack))
+    router = await router_to_a_worker_answering(stack, [reply])
     [relayed] = await exchange(router.port, b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
     head, _, date = relayed.rpartition(b"\r\n\r\n")[0].rpartition(b"\r\n")
     assert head + b"\r\n" == reply[: len(head) + 2]
@@ -325,11 +325,34 @@ async def test_a_reply_with_no_date_goes_as_written_with_the_date_added(
     assert relayed.endswith(b"\r\n\r\nok")
 
 
+@pytest.mark.parametrize(
+    "after",
+    [b"HTTP/1.1 404 Injected\r\nContent-Length: 0\r\n\r\n", b"\r\n"],
+    ids=["another-reply", "a-line-break"],
+)
+async def test_bytes_a_worker_sends_after_its_reply_never_reach_the_client(
+    stack: AsyncExitStack, after: bytes
+) -> None:
+    """A worker's reply followed in the same write by a reply nobody asked for, or by a
+    stray line break, reaches the client alone and whole (the Date the router adds in
+    its head, not in its body), and nothing follows it on the connection."""
+    reply = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
+    router = await router_to_a_worker_answering(stack, [reply + after])
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+    try:
+        writer.write(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        body = await asyncio.wait_for(reader.readexactly(5), 5)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(reader.read(1), 0.3)
+    finally:
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\nDate: " in head
+    assert body == b"hello"
+
+
 async def test_a_reply_ended_by_close_is_relayed_whole(stack: AsyncExitStack) -> None:
-    ref: list[ScriptedWorker] = []
-    worker = ScriptedWorker(answering(ref, [b"HTTP/1.1 200 OK\r\n\r\nuntil close"]))
-    ref.append(worker)
-    router = await start_router(stack, await worker.start(stack))
+    router = await router_to_a_worker_answering(stack, [b"HTTP/1.1 200 OK\r\n\r\nuntil close"])
     reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
     writer.write(b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
     reply = await asyncio.wait_for(reader.read(), 5)
@@ -383,11 +406,8 @@ async def test_a_request_body_already_here_goes_with_its_head(stack: AsyncExitSt
 
 
 async def test_a_runaway_reply_head_is_an_error(stack: AsyncExitStack) -> None:
-    ref: list[ScriptedWorker] = []
     endless = b"HTTP/1.1 200 OK\r\n" + (b"X-Filler: " + b"f" * 1000 + b"\r\n") * 300
-    worker = ScriptedWorker(answering(ref, [endless]))
-    ref.append(worker)
-    router = await start_router(stack, await worker.start(stack))
+    router = await router_to_a_worker_answering(stack, [endless])
     reply = await exchange(router.port, b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
     assert status_and_body(reply[0])[0] == b"HTTP/1.1 502 Bad Gateway"
     [failure] = router.failures

@@ -233,6 +233,25 @@ def test_a_line_break_in_a_line_the_router_adds_is_refused(added: dict[str, Any]
         worker_request_head("GET", "/", [(b"X-A", b"1")], **(arguments | added))
 
 
+def test_a_client_chosen_authority_or_a_long_value_is_written_but_not_kept() -> None:
+    authority = "client-chosen.example:8080"
+    boot = "b" * 300
+    head = worker_request_head(
+        "GET",
+        "/",
+        [],
+        worker_host="h",
+        client_ip=None,
+        scheme="http",
+        extra={"X-Episode-Router-Boot": boot},
+        authority=authority,
+    )
+    assert f"X-Forwarded-Host: {authority}\r\n".encode() in head
+    assert f"X-Episode-Router-Boot: {boot}\r\n".encode() in head
+    assert authority not in relay_wire._LINES.get("X-Forwarded-Host", {})
+    assert boot not in relay_wire._LINES.get("X-Episode-Router-Boot", {})
+
+
 def test_the_lines_the_router_adds_are_kept_no_more_than_the_bound() -> None:
     for n in range(relay_wire.MAX_CACHED_LINES + 10):
         head = worker_request_head(
@@ -275,14 +294,15 @@ CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\
     ("data", "head_request", "split", "whole"),
     [
         (WHOLE, False, False, True),
-        (
-            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
-            False,
-            False,
-            True,
-        ),
+        (CHUNKED, False, False, False),  # not framed by a length
         (WHOLE, False, True, False),  # in pieces
-        (WHOLE + b"HTTP/1.1 200 OK\r\n", False, False, False),  # bytes after it
+        (WHOLE + b"HTTP/1.1 200 OK\r\n", False, False, False),  # part of another after it
+        (WHOLE + WHOLE, False, False, False),  # a whole other reply after it
+        (WHOLE + b"\r\n", False, False, False),  # a line break after it (llhttp skips it)
+        (WHOLE[:-7] + b"2\r\n\r\n\r\n", False, False, True),  # a body ending in CRLF
+        (WHOLE[:-7] + b"2\r\n\r\n\r\n\r\n", False, False, False),  # ... and one after it
+        (WHOLE[:-7] + b"0\r\n\r\n", False, False, True),  # no body
+        (WHOLE[:-7] + b"0\r\n\r\n\n", False, False, False),  # no body, a LF after it
         (b"HTTP/1.1 100 Continue\r\n\r\n" + WHOLE, False, False, False),  # an interim head
         (WHOLE.replace(b"1.1", b"1.0"), False, False, False),  # another version
         (WHOLE[: -len(b"ok")], True, False, False),  # the reply to a HEAD
@@ -294,6 +314,25 @@ def test_a_reply_is_kept_whole_only_when_it_came_alone_in_one_piece(
 ) -> None:
     reply = parse(data, head_request=head_request, split=split)
     assert reply.whole == (data if whole else None)
+
+
+def test_a_reply_nobody_asked_for_after_a_whole_one_changes_nothing_of_it() -> None:
+    """A worker that sends a second reply in the same read spoils the link, not the
+    reply already parsed: its status, reason and headers stay, and the connection is
+    not reused."""
+    reply = parse(WHOLE + b"HTTP/1.1 404 Injected\r\nX-Other: 1\r\nContent-Length: 0\r\n\r\n")
+    assert (reply.status, reply.raw_reason, reply.raw_headers) == (
+        200,
+        b"OK",
+        [(b"Date", b"x"), (b"Content-Length", b"2")],
+    )
+    assert reply.complete and not reply.reusable and reply.peek_body() == b"ok"
+
+
+def test_a_reply_whose_body_is_taken_is_no_longer_kept_whole() -> None:
+    reply = parse(WHOLE)
+    assert reply.whole == WHOLE
+    assert reply.take_body() == b"ok" and reply.whole is None
 
 
 def test_a_reply_notes_its_date_header_and_forgets_an_interim_one() -> None:
