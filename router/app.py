@@ -20,6 +20,7 @@ from router.framing import framing_problem
 from router.learn import ReplyLearner, plan_learning
 from router.metrics import CLIENT_CLOSED, RouterMetrics
 from router.relay import Forwarder, Upstream, UpstreamFailure
+from router.relay_wire import NO_EXTRA
 from router.sessions import SessionReader, SessionRef
 from router.workers import Worker, WorkerState
 
@@ -29,8 +30,6 @@ access_log = logging.getLogger("episode_router.access")
 MAX_LOGGED_PATH: Final = 200  # a hostile client's path is cut here in the log
 
 BOOT_HEADER = "X-Episode-Router-Boot"
-# Never written to: see router.relay_wire._NO_EXTRA.
-_NO_EXTRA: Final[dict[str, str]] = {}
 MAX_SESSIONLESS_TRIES: Final = 3  # connect refused on a sessionless request: try this many workers
 # A request whose client left before its reply is counted with nginx's status for it.
 CLIENT_CLOSED_STATUS: Final = 499
@@ -402,7 +401,7 @@ class _Destination:
         self.url = worker.url
         self.boot = boot
         self.upstream = Upstream(worker.id, worker.url)
-        self.extra: dict[str, str] = {BOOT_HEADER: boot} if boot else _NO_EXTRA
+        self.extra: dict[str, str] = {BOOT_HEADER: boot} if boot else NO_EXTRA
 
 
 # The destinations kept, by worker id: emptied when this many, so workers that come and

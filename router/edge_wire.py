@@ -95,6 +95,11 @@ class _DateCache:
 date_header = _DateCache()
 
 
+def _has_no_body(status: int, head_request: bool) -> bool:
+    """A HEAD reply, a 1xx, 204 or 304 has no body (RFC 9110 §6.4.1)."""
+    return head_request or status < 200 or status in _NO_BODY_STATUSES
+
+
 def head_additions(
     status: int,
     has_length: bool,
@@ -110,9 +115,7 @@ def head_additions(
     more to a kept-alive HTTP/1.1 exchange whose reply has a body framed by its
     Content-Length. The worker's head may then be relayed as its bytes, with the
     addition before its final CRLF."""
-    if not version_11 or head_request or not keep_alive or not has_length:
-        return None
-    if status < 200 or status in _NO_BODY_STATUSES:
+    if not version_11 or not keep_alive or not has_length or _has_no_body(status, head_request):
         return None
     return b"" if has_date else date_header.line
 
@@ -140,7 +143,7 @@ def reply_head(
     # Instructions per routed request (callgrind on bench.hotpath), with the reply's
     # rules on the bytes too: 244,900 -> 240,700.
     parts = [b"HTTP/1.%d %d %b\r\n" % (1 if version_11 else 0, status, reason)]
-    no_body = head_request or status in _NO_BODY_STATUSES or status < 200
+    no_body = _has_no_body(status, head_request)
     has_length = has_date = False
     for pair in headers:  # indexed, not unpacked: see relay_wire.worker_request_head
         name = pair[0]

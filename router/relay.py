@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
-from typing import Any, Final
+from typing import Any
 
 from multidict import CIMultiDict
 
@@ -41,6 +41,7 @@ from router.relay_request import WHOLE_BODY_MAX, connect_failure, framed_body
 from router.relay_wire import (
     CLOSED_BEFORE_REPLY,
     IDEMPOTENT_METHODS,
+    NO_EXTRA,
     parse_worker_address,
     worker_request_head,
 )
@@ -55,9 +56,6 @@ __all__ = [
     "request_headers_for_worker",
     "rewrite_location",
 ]
-
-# Never written to: see router.relay_wire._NO_EXTRA.
-_NO_HEADERS: Final[dict[str, str]] = {}
 
 
 class _Exchange:
@@ -184,7 +182,7 @@ class Forwarder:
         request: PublicRequest,
         upstream: Upstream,
         *,
-        extra_headers: dict[str, str] = _NO_HEADERS,
+        extra_headers: dict[str, str] = NO_EXTRA,
         public_base: str | None = None,
         body: bytes | None = None,
         observer: ReplyObserver | None = None,
@@ -216,7 +214,7 @@ class Forwarder:
         upstream: Upstream,
         on_done: Callable[[int | Coroutine[Any, Any, int]], None],
         *,
-        extra_headers: dict[str, str] = _NO_HEADERS,
+        extra_headers: dict[str, str] = NO_EXTRA,
         public_base: str | None = None,
         body: bytes | None = None,
     ) -> bool:

@@ -27,6 +27,7 @@ __all__ = [
     "IDEMPOTENT_METHODS",
     "MAX_REPLY_FIELD",
     "MAX_REPLY_HEAD",
+    "NO_EXTRA",
     "ReplyParser",
     "WorkerAddress",
     "parse_worker_address",
@@ -44,9 +45,9 @@ MAX_REPLY_FIELD = 64 * 1024
 # worker streaming headers forever cannot grow the router's memory.
 MAX_REPLY_HEAD = 256 * 1024
 
-# Never written to: the empty `extra` (a dict, which the compiled build iterates
-# directly, where a Mapping's items() is a generic method call).
-_NO_EXTRA: Final[dict[str, str]] = {}
+# The empty `extra`, for every module that passes none: never written to. A dict, which
+# the compiled build iterates directly, where a Mapping's items() is a generic call.
+NO_EXTRA: Final[dict[str, str]] = {}
 _NONE_NAMED: frozenset[str] = frozenset()
 _HTTP_11_STATUS: Final = b"HTTP/1.1 "
 _CR: Final = 13
@@ -116,7 +117,7 @@ def worker_request_head(
     worker_host: str,
     client_ip: str | None,
     scheme: str,
-    extra: dict[str, str] = _NO_EXTRA,
+    extra: dict[str, str] = NO_EXTRA,
     content_length: int | None = None,
     chunked: bool = False,
     authority: str | None = None,
