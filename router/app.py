@@ -19,7 +19,7 @@ from router.edge_request import BodyBroken, PublicRequest
 from router.framing import framing_problem
 from router.learn import ReplyLearner, plan_learning
 from router.metrics import CLIENT_CLOSED, RouterMetrics
-from router.relay import Forwarder, Upstream, UpstreamFailure
+from router.relay import Forwarder, LaneDone, Upstream, UpstreamFailure
 from router.relay_wire import NO_EXTRA
 from router.sessions import SessionReader, SessionRef
 from router.workers import Worker, WorkerState
@@ -73,7 +73,7 @@ class PublicHandler:
         that must wait (a body to read for its session, a new worker connection, a
         reply to stream, a failure to look into) is returned as a coroutine to run.
         """
-        exchange = _Exchange(request, perf_counter())
+        exchange = _Exchange(self, request, perf_counter())
         refusal = self._refuse_early(request)
         if refusal is None:
             reader = self.sessions
@@ -266,10 +266,11 @@ class PublicHandler:
         worker = decision.worker
         worker.in_flight += 1
         upstream, extra, public_base = _destination(exchange, decision)
+        exchange.decision = decision
         started = self.forwarder.start(
             exchange.request,
             upstream,
-            lambda result: self._lane_done(exchange, decision, result),
+            exchange,
             extra_headers=extra,
             public_base=public_base,
             body=exchange.body,
@@ -278,12 +279,13 @@ class PublicHandler:
             worker.in_flight -= 1
         return started
 
-    def _lane_done(
-        self, exchange: _Exchange, decision: Forward, result: int | Coroutine[Any, Any, int]
-    ) -> None:
-        """The relay's callback for a forward on its lane: the reply went out (`result`
-        is its status), or the rest of the forward is a coroutine to run."""
+    def _lane_done(self, exchange: _Exchange, result: int | Coroutine[Any, Any, int]) -> None:
+        """The relay's callback for a forward on its lane (`_Exchange.lane_done`): the
+        reply went out (`result` is its status), or the rest of the forward is a
+        coroutine to run."""
         request = exchange.request
+        decision = exchange.decision
+        assert decision is not None
         if isinstance(result, int):
             decision.worker.in_flight -= 1
             exchange.status = result
@@ -327,12 +329,14 @@ class PublicHandler:
         return Answer("upstream_error", f"The worker failed: {failure.detail}", session)
 
 
-class _Exchange:
+class _Exchange(LaneDone):
     """One request on its way through the handler, with what was learned of it."""
 
     __slots__ = (
         "body",
+        "decision",
         "found",
+        "handler",
         "kind",
         "outcome",
         "path",
@@ -342,7 +346,8 @@ class _Exchange:
         "status",
     )
 
-    def __init__(self, request: PublicRequest, started: float) -> None:
+    def __init__(self, handler: PublicHandler, request: PublicRequest, started: float) -> None:
+        self.handler = handler
         self.request = request
         self.started = started  # time.perf_counter() when it was handed to the handler
         self.kind: str | None = None  # the session kind it named, for metrics
@@ -353,6 +358,10 @@ class _Exchange:
         self.seeding: frozenset[str] = frozenset()
         self.found: SessionRef | None = None
         self.body: bytes | None = None  # read only when a body kind needed it
+        self.decision: Forward | None = None  # set when it goes on the relay's lane
+
+    def lane_done(self, result: int | Coroutine[Any, Any, int]) -> None:
+        self.handler._lane_done(self, result)
 
     def answer(self, answer: Answer) -> None:
         """Sends the router's own answer to this request, logged as one line (never the

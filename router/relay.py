@@ -18,7 +18,7 @@ so the client sees an incomplete reply rather than a forged clean end.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 from multidict import CIMultiDict
@@ -35,7 +35,14 @@ from router.forward import (
     request_headers_for_worker,
     rewrite_location,
 )
-from router.relay_pool import TIMED_OUT, WOKE, PoolClosed, WorkerConnection, WorkerPool
+from router.relay_pool import (
+    TIMED_OUT,
+    WOKE,
+    PoolClosed,
+    ReplyWatcher,
+    WorkerConnection,
+    WorkerPool,
+)
 from router.relay_reply import CLIENT_GONE, log, send_cut, stream_reply
 from router.relay_request import WHOLE_BODY_MAX, connect_failure, framed_body
 from router.relay_wire import (
@@ -49,6 +56,7 @@ from router.relay_wire import (
 __all__ = [
     "ForwardTimeouts",
     "Forwarder",
+    "LaneDone",
     "ReplyObserver",
     "Upstream",
     "UpstreamFailure",
@@ -101,7 +109,23 @@ class _Exchange:
             conn.abort()
 
 
-class _Lane:
+class LaneDone:
+    """What `Forwarder.start` tells how a forward on its lane ended: an object whose
+    `lane_done(result)` is called, not a callable. The compiled build then calls it
+    directly, where a closure made per request and called through the generic call
+    protocol cost more; with `relay_pool.ReplyWatcher` (the same for the connection's
+    callback), no closure and no bound method are made per request (one of the trims
+    in router.edge.EdgeConnection's figure)."""
+
+    __slots__ = ()
+
+    def lane_done(self, result: int | Coroutine[Any, Any, int]) -> None:
+        """The reply went out whole (`result` is its status), or the rest of the
+        forward is the coroutine `result`, to run."""
+        raise NotImplementedError
+
+
+class _Lane(ReplyWatcher):
     """A forward started by `Forwarder.start`, waiting on its connection's callback."""
 
     __slots__ = ("exchange", "forwarder", "message", "on_done", "public_base")
@@ -112,7 +136,7 @@ class _Lane:
         exchange: _Exchange,
         message: bytes,
         public_base: str | None,
-        on_done: Callable[[int | Coroutine[Any, Any, int]], None],
+        on_done: LaneDone,
     ) -> None:
         self.forwarder = forwarder
         self.exchange = exchange
@@ -132,17 +156,17 @@ class _Lane:
                 if reply.complete:
                     status = self.forwarder._send_whole(exchange, self.public_base)
                 elif outcome == WOKE and not reply.head_done and reply.broken is None:
-                    conn.listen(self.woke, exchange.deadline)
+                    conn.listen(self, exchange.deadline)
                     return
         except Exception as exc:  # a bug: the caller's task logs it and drops the client
             exchange.settle(clean=False)
-            self.on_done(_raise(exc))
+            self.on_done.lane_done(_raise(exc))
             return
         if status is not None:
-            self.on_done(status)
+            self.on_done.lane_done(status)
         else:
             self.forwarder.lane_handovers += 1
-            self.on_done(self.forwarder._resume(exchange, self.message, self.public_base))
+            self.on_done.lane_done(self.forwarder._resume(exchange, self.message, self.public_base))
 
 
 async def _raise(exc: Exception) -> int:
@@ -212,7 +236,7 @@ class Forwarder:
         self,
         request: PublicRequest,
         upstream: Upstream,
-        on_done: Callable[[int | Coroutine[Any, Any, int]], None],
+        on_done: LaneDone,
         *,
         extra_headers: dict[str, str] = NO_EXTRA,
         public_base: str | None = None,
@@ -222,7 +246,7 @@ class Forwarder:
         at once: its body all here and small, an idle connection to the worker at hand,
         and no observer. False when it cannot (nothing was done: `forward()` it instead).
 
-        `on_done` is called once: with the status, when the reply came whole and was
+        `on_done.lane_done` is called once: with the status, when the reply came whole and was
         relayed (the usual tool call), or with a coroutine that finishes the forward as
         `forward()` would (the status, or UpstreamFailure) for the caller to run, when
         anything else happens (a reply to stream, a stale connection, a timeout, the
@@ -244,7 +268,7 @@ class Forwarder:
         self,
         request: PublicRequest,
         upstream: Upstream,
-        on_done: Callable[[int | Coroutine[Any, Any, int]], None],
+        on_done: LaneDone,
         extra_headers: dict[str, str],
         public_base: str | None,
         body: bytes | None,
@@ -269,7 +293,7 @@ class Forwarder:
         message = head + payload
         self._write_request(exchange, conn, message)
         lane = _Lane(self, exchange, message, public_base, on_done)
-        conn.listen(lane.woke, exchange.deadline)
+        conn.listen(lane, exchange.deadline)
         return True
 
     async def _resume(self, exchange: _Exchange, message: bytes, public_base: str | None) -> int:

@@ -20,7 +20,7 @@ from typing import Final, cast
 from router.relay_wire import ReplyParser, WorkerAddress
 
 __all__ = ["INTERRUPTED", "KEEPALIVE_S", "TIMED_OUT", "WOKE", "PoolClosed", "WorkerConnection"]
-__all__ += ["WorkerPool"]
+__all__ += ["ReplyWatcher", "WorkerPool"]
 
 # Idle keep-alive connections are closed by the router after 4 s: below the 5 s default of
 # uvicorn and hypercorn, so it is the router, not the worker, that closes an idle
@@ -37,8 +37,25 @@ _TIMER_SLACK_S: Final = 0.001
 INTERRUPTED: Final = 2  # someone else called `interrupt()` (the client left, the upload broke)
 
 
+def _not_open() -> bool:
+    return True  # no transport yet: nothing can be written
+
+
 class PoolClosed(Exception):
     """The pool closed (the worker was forgotten, or the router is stopping)."""
+
+
+class ReplyWatcher:
+    """What `WorkerConnection.listen` wakes when the reply moves: an object whose
+    `woke(outcome)` is called, not a callable, so the compiled build calls it
+    directly and no bound method is made per request (see `relay.LaneDone`)."""
+
+    __slots__ = ()
+
+    def woke(self, outcome: int) -> None:
+        """The reply moved (WOKE), the deadline passed (TIMED_OUT) or `interrupt()` was
+        called (INTERRUPTED)."""
+        raise NotImplementedError
 
 
 class WorkerConnection(asyncio.Protocol):
@@ -57,6 +74,8 @@ class WorkerConnection(asyncio.Protocol):
         "_read_paused",
         "_timer",
         "_timer_when",
+        "_transport_closing",
+        "_transport_write",
         "_waiter",
         "closed",
         "holds_place",
@@ -71,7 +90,7 @@ class WorkerConnection(asyncio.Protocol):
         self._pool = pool
         self._loop = loop
         self._waiter: asyncio.Future[int] | None = None
-        self._listener: Callable[[int], None] | None = None
+        self._listener: ReplyWatcher | None = None
         self._drain_waiter: asyncio.Future[None] | None = None
         self._read_paused = False
         # One timer per connection, moved lazily (see wait()).
@@ -79,6 +98,10 @@ class WorkerConnection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_when = 0.0
         self.transport: asyncio.Transport | None = None
+        # The transport's methods called per request, kept bound (see
+        # router.edge.EdgeConnection: a call by name looks the method up each time).
+        self._transport_write: Callable[[bytes], object] | None = None
+        self._transport_closing: Callable[[], bool] = _not_open
         self.reply = ReplyParser()
         self.closed = False
         self.holds_place = False  # it counts against the pool's limit
@@ -90,6 +113,8 @@ class WorkerConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        self._transport_write = self.transport.write
+        self._transport_closing = self.transport.is_closing
 
     def data_received(self, data: bytes) -> None:
         reply = self.reply
@@ -144,8 +169,8 @@ class WorkerConnection(asyncio.Protocol):
             self._waiter = None
             self._deadline = None
 
-    def listen(self, listener: Callable[[int], None], deadline: float | None) -> None:
-        """Calls `listener` once, with what `wait()` would return, when the reply moves,
+    def listen(self, listener: ReplyWatcher, deadline: float | None) -> None:
+        """Calls `listener.woke` once, with what `wait()` would return, when the reply moves,
         `deadline` passes or `interrupt()` is called: the same wait with no task and no
         future, for an exchange driven by callbacks. The listener may run inside this
         connection's data_received; it may start the next exchange on it."""
@@ -205,9 +230,9 @@ class WorkerConnection(asyncio.Protocol):
 
     def write(self, data: bytes) -> None:
         """Writes `data` unless the connection is closing (the reply then says why)."""
-        transport = self.transport
-        if transport is not None and not transport.is_closing():
-            transport.write(data)
+        write = self._transport_write
+        if write is not None and not self._transport_closing():
+            write(data)
 
     def close(self) -> None:
         """Closes after what was written is flushed; frees its place in the pool."""
@@ -225,7 +250,7 @@ class WorkerConnection(asyncio.Protocol):
             not self.closed
             and self.reply.reusable
             and transport is not None
-            and not transport.is_closing()
+            and not self._transport_closing()
             and now - self.released_at < KEEPALIVE_S
         )
 
@@ -249,7 +274,7 @@ class WorkerConnection(asyncio.Protocol):
         if listener is not None:
             self._listener = None
             self._deadline = None
-            listener(outcome)
+            listener.woke(outcome)
 
 
 class WorkerPool:
@@ -267,6 +292,7 @@ class WorkerPool:
         "_loop",
         "_sweeper",
         "_taken",
+        "_time",
         "_waiters",
         "address",
         "closed",
@@ -284,7 +310,11 @@ class WorkerPool:
         self._loop = loop
         self._taken = 0  # places held: open connections, connects under way, places handed on
         self._connections: set[WorkerConnection] = set()
-        self._idle: deque[WorkerConnection] = deque()  # oldest left, warmest right
+        # Oldest first, warmest last. A list, not a deque: the compiled build appends to
+        # and pops from a list directly, and calls a deque's methods by name (see
+        # router.edge.EdgeConnection).
+        self._idle: list[WorkerConnection] = []
+        self._time = loop.time  # kept bound, as the connections' transport methods
         self._waiters: deque[asyncio.Future[WorkerConnection | None]] = deque()
         self._sweeper: asyncio.TimerHandle | None = None
 
@@ -309,7 +339,7 @@ class WorkerPool:
         idle = self._idle
         if not idle or self.closed:
             return None
-        now = self._loop.time()
+        now = self._time()
         while idle:
             conn = idle.pop()
             if conn.usable(now):
@@ -343,7 +373,7 @@ class WorkerPool:
                 conn.reused = True
                 waiter.set_result(conn)
                 return
-        conn.released_at = self._loop.time()
+        conn.released_at = self._time()
         self._idle.append(conn)
         if self._sweeper is None:
             self._sweeper = self._loop.call_at(conn.released_at + KEEPALIVE_S, self._sweep)
@@ -468,9 +498,14 @@ class WorkerPool:
         """Closes the connections idle for KEEPALIVE_S (the oldest are on the left)."""
         self._sweeper = None
         idle = self._idle
-        now = self._loop.time()
-        while idle and now - idle[0].released_at >= KEEPALIVE_S:
-            idle.popleft().close()
+        now = self._time()
+        stale = 0
+        while stale < len(idle) and now - idle[stale].released_at >= KEEPALIVE_S:
+            stale += 1
+        expired = idle[:stale]
+        del idle[:stale]
+        for conn in expired:
+            conn.close()
         if idle:
             self._sweeper = self._loop.call_at(idle[0].released_at + KEEPALIVE_S, self._sweep)
 

@@ -104,6 +104,17 @@ def test_a_fresh_registry_has_the_known_request_series_at_zero_and_nothing_count
     }
 
 
+def test_a_forward_outside_the_known_statuses_and_kinds_counts_as_other() -> None:
+    metrics = new_metrics()
+    metrics.request_done("episode", "forwarded", 600, 0.01)  # outside 100..599
+    metrics.request_done("episode", "forwarded", 99, 0.01)
+    metrics.request_done("renamed_kind", "forwarded", 100, 0.01)  # a kind not configured
+    assert series(scrape(metrics), REQ) == {
+        "kind=episode,outcome=forwarded,status_class=other": 2,
+        "kind=other,outcome=forwarded,status_class=1xx": 1,
+    }
+
+
 def test_request_done_counts_by_kind_outcome_and_status_class() -> None:
     metrics = new_metrics()
     metrics.request_done("episode", "forwarded", 200, 0.02)
