@@ -52,6 +52,7 @@ from router.edge_wire import (
     reply_head,
     split_target,
 )
+from router.framing import content_length_number
 
 __all__ = ["EdgeConnection", "EdgeLimits", "EdgeServer", "Handler"]
 
@@ -174,6 +175,7 @@ class EdgeConnection(asyncio.Protocol):
         "_loop",
         "_lost",
         "_method_of",
+        "_parse_events",
         "_parser",
         "_pipeline_full",
         "_queue",
@@ -219,6 +221,9 @@ class EdgeConnection(asyncio.Protocol):
         self._local_host = ""
         # The head being parsed.
         self._in_head = False
+        # Heads begun (on_url) and messages ended: a read that moved neither may be
+        # the start of a request line (data_received).
+        self._parse_events = 0
         self._url = b""
         # The header pairs as llhttp gave them, bytes: decoded only when something asks
         # for text (see PublicRequest.header_list).
@@ -282,11 +287,16 @@ class EdgeConnection(asyncio.Protocol):
                 if self._discarded > LINGER_MAX_BYTES:
                     self._close()
             return
+        events = self._parse_events
         self._feed(data)
         if self._queue and not self._busy:
             self._dispatch()
-        if self._in_head and self._deadline_kind != _HEAD and not self._stopped:
-            # A head began and did not end in this read: its clock starts now.
+        if self._stopped or self._deadline_kind == _HEAD:
+            return
+        if self._in_head or (events == self._parse_events and self._receiving is None):
+            # A head began and did not end in this read, or the read began no head,
+            # ended no message and was no body: the start of a request line (llhttp
+            # calls back from its target on). The head's clock starts now.
             self._set_deadline(self._time() + self._head_timeout_s(), _HEAD)
 
     def _head_timeout_s(self) -> float:
@@ -347,11 +357,9 @@ class EdgeConnection(asyncio.Protocol):
                 self._parse_failed(HeadRefusal.MALFORMED, str(exc))
             return
 
-    def on_message_begin(self) -> None:
-        self._in_head = True
-        self._url = b""
-        self._headers = []
-        self._note_head_start()
+    # No on_message_begin: a head begins with its target's first bytes (on_url), and
+    # data_received starts the head's clock for the bytes before them. The callback cost
+    # ~1,400 instructions a request (callgrind on bench.hotpath, compiled).
 
     def _note_head_start(self) -> None:
         # The headers the edge itself reads, noted as they arrive (the first of each; any
@@ -363,7 +371,14 @@ class EdgeConnection(asyncio.Protocol):
         self._expect: bytes | None = None
 
     def on_url(self, url: bytes) -> None:
-        self._url += url
+        if not self._in_head:
+            self._in_head = True
+            self._parse_events += 1
+            self._url = url
+            self._headers = []
+            self._note_head_start()
+        else:
+            self._url += url  # the target came in pieces
         if len(self._url) > self._limits.max_line_bytes:
             self._refusal_kind = HeadRefusal.LINE_TOO_LONG
             raise _HeadLimit
@@ -417,7 +432,9 @@ class EdgeConnection(asyncio.Protocol):
         chunked = self._te_seen
         length_text = self._length_text
         # llhttp accepted only digits and refused a repeat or a length with chunked.
-        content_length = int(length_text) if length_text is not None and not chunked else None
+        content_length = (
+            content_length_number(length_text) if length_text is not None and not chunked else None
+        )
         body = RequestBody(self, self._loop) if chunked or (content_length or 0) > 0 else None
         keep_alive = self._keeps_alive()
         if keep_alive and not self._connection_seen:
@@ -464,6 +481,7 @@ class EdgeConnection(asyncio.Protocol):
             receiving.body.feed(body)
 
     def on_message_complete(self) -> None:
+        self._parse_events += 1
         receiving = self._receiving
         if receiving is not None and receiving.body is not None:
             receiving.body.feed_eof()

@@ -49,3 +49,27 @@ def framing_problem(
     if raw_target == "*":
         return "The asterisk form (OPTIONS *) names no worker resource."
     return None
+
+
+def content_length_number(value: bytes) -> int:
+    """The number a Content-Length value spells, as `int(value)` reads it (llhttp has
+    let through only digits, with any whitespace around them outside its span).
+
+    Digit by digit for the usual value: `int()` on bytes is a generic call from the
+    compiled build, about 800 instructions; this loop is about 100 for a short length
+    (callgrind on bench.hotpath, compiled). Anything but plain digits goes to `int()`,
+    so the result, and the error for a value that is no number, are the same.
+    """
+    if not value or len(value) > _DIGITS_DONE_BY_HAND:
+        return int(value)
+    number = 0
+    for index in range(len(value)):
+        digit = value[index] - 48  # "0"
+        if digit < 0 or digit > 9:
+            return int(value)
+        number = number * 10 + digit
+    return number
+
+
+# Longer values (never a real body's length) are left to int().
+_DIGITS_DONE_BY_HAND: Final = 18

@@ -22,6 +22,7 @@ from yarl import URL
 # The header rules have one home, router.forward (the forwarding contract); this module
 # builds the same head in one pass, pinned equal by tests/test_relay_wire.py.
 from router.forward import _connection_named, _keeps_request_header, remember_role
+from router.framing import content_length_number
 
 __all__ = [
     "IDEMPOTENT_METHODS",
@@ -540,7 +541,8 @@ class ReplyParser:
                 or name == b"content-length"
                 or name.lower() == b"content-length"
             ):
-                self.content_length = int(value)  # llhttp has checked it is one number
+                # llhttp has checked it is one number
+                self.content_length = content_length_number(value)
         elif size == 17:
             if name.lower() == b"transfer-encoding":
                 self._transfer_encoding = value.decode("utf-8", "surrogateescape")

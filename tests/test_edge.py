@@ -98,6 +98,51 @@ async def test_a_slow_body_is_not_cut_by_the_head_timeout(rig: Rig, tmp_path: Pa
         conn.close()
 
 
+async def test_a_request_line_dribbled_before_its_target_is_cut_at_the_head_timeout(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # llhttp says nothing until the target: the edge starts the head's clock for a read
+    # that began no head, ended no message and was no body.
+    config = router_config(tmp_path, limits=limits(header_timeout_s=0.4, idle_timeout_s=30.0))
+    await rig.start_router(config)
+    await rig.add_worker("w0")
+    conn = await RawHttp.open(rig.router.public_port)
+    try:
+        conn.send(b"GET /one HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, _ = await conn.read_reply()
+        assert status == 200
+        started = time.monotonic()
+        conn.send(b"GE")
+        await asyncio.sleep(0.1)
+        conn.send(b"T")
+        assert await conn.read_to_end() == b""
+        assert 0.3 <= time.monotonic() - started < 2.0
+    finally:
+        conn.close()
+
+
+async def test_a_request_whose_body_ends_in_a_later_read_is_not_cut_by_the_head_timeout(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # The read that ends a body began no head but ended a message: no head clock starts
+    # while the worker takes longer than the head timeout to answer.
+    config = router_config(tmp_path, limits=limits(header_timeout_s=0.3, idle_timeout_s=30.0))
+    await rig.start_router(config)
+    worker = await rig.add_worker("w0")
+    conn = await RawHttp.open(rig.router.public_port)
+    try:
+        conn.send(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nab")
+        await asyncio.sleep(0.1)
+        conn.send(b"cd")
+        await asyncio.sleep(0.6)  # twice the head timeout, the worker still parked
+        assert worker.parked == 1
+        worker.release.set()
+        status, _, _ = await conn.read_reply()
+        assert status == 200
+    finally:
+        conn.close()
+
+
 # --- the request's headers ----------------------------------------------------------------
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from router.framing import framing_problem
+from router.framing import content_length_number, framing_problem
 
 
 @pytest.mark.parametrize(
@@ -40,3 +42,40 @@ def test_framing_problems(
         assert found is None
     else:
         assert found is not None and found.startswith(problem)
+
+
+@pytest.mark.parametrize(
+    "value",
+    # llhttp lets through only digits; from " 16" on they go to int(), as before.
+    [
+        b"0",
+        b"16",
+        b"007",
+        b"1048576",
+        b"9" * 18,
+        b"9" * 19,
+        b"1" * 40,
+        b" 16",
+        b"16\t",
+        b"-1",
+        b"+1",
+        b"1_0",
+    ],
+)
+def test_a_content_length_reads_as_int_reads_it(value: bytes) -> None:
+    assert content_length_number(value) == int(value)
+
+
+@pytest.mark.parametrize("value", [b"", b"1a", b"1 2", b"0x10", b"\xd9\xa1"])
+def test_a_content_length_that_is_no_number_fails_as_int_fails(value: bytes) -> None:
+    with pytest.raises(ValueError):
+        int(value)
+    with pytest.raises(ValueError):
+        content_length_number(value)
+
+
+def test_content_lengths_read_as_int_reads_them_for_any_digits() -> None:
+    rng = random.Random(7)
+    for _ in range(2000):
+        value = "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 25))).encode()
+        assert content_length_number(value) == int(value)
