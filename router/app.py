@@ -118,7 +118,13 @@ class PublicHandler:
             self._answer(exchange, found)
             return None
         exchange.found = found
-        kind, key = (found.kind, found.key) if found is not None else (None, None)
+        # Not a conditional tuple unpacked: the compiled build iterates that one as an
+        # object (~430 instructions, callgrind on bench.hotpath).
+        kind: str | None = None
+        key: str | None = None
+        if found is not None:
+            kind = found.kind
+            key = found.key
         exchange.kind = kind
         decision = self.core.route(kind, key, self._clock())
         if self.metrics is not None:

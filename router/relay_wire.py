@@ -21,7 +21,7 @@ from yarl import URL
 
 # The header rules have one home, router.forward (the forwarding contract); this module
 # builds the same head in one pass, pinned equal by tests/test_relay_wire.py.
-from router.forward import _connection_named, _keeps_request_header, remember_role
+from router.forward import LastNames, _connection_named, _keeps_request_header, remember_role
 from router.framing import content_length_number
 
 __all__ = [
@@ -140,15 +140,7 @@ def worker_request_head(
     # iterator protocol), where an Iterable's cost a generic call each: 109,600 ->
     # 107,800 instructions per routed request.
     items = client_headers
-    roles: list[int] = []
-    rare = False  # a Connection or Transfer-Encoding header: flagged here, not searched for
-    for pair in items:
-        role = _NAME_ROLES.get(pair[0])
-        if role is None:
-            role = _name_role(pair[0])
-        if role >= _CONNECTION:
-            rare = True
-        roles.append(role)
+    roles, rare = _roles_by_name(items)
     drop_length = False
     if rare:
         if _CONNECTION in roles:
@@ -293,6 +285,33 @@ def _role(lower: str, named: frozenset[str]) -> int:
             return _CONNECTION
         return _TRANSFER_ENCODING if lower == "transfer-encoding" else _DROP
     return _LENGTH if lower == "content-length" else _KEEP
+
+
+# The last request's names and roles (see router.forward.LastNames).
+_LAST_NAMES: Final = LastNames()
+
+
+def _roles_by_name(items: list[tuple[bytes, bytes]]) -> tuple[list[int], bool]:
+    """Each header's role by its name alone (a list never changed in place), and
+    whether any is a Connection or Transfer-Encoding (`rare`: the request's own roles
+    are worked out then)."""
+    last = _LAST_NAMES
+    if last.same(items):
+        return last.roles, last.flag
+    names: list[bytes] = []
+    roles: list[int] = []
+    rare = False  # a Connection or Transfer-Encoding header: flagged here, not searched for
+    for pair in items:
+        name = pair[0]
+        role = _NAME_ROLES.get(name)
+        if role is None:
+            role = _name_role(name)
+        if role >= _CONNECTION:
+            rare = True
+        names.append(name)
+        roles.append(role)
+    last.keep(names, roles, rare)
+    return roles, rare
 
 
 def _name_role(name: bytes) -> int:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
 from router import relay_wire
-from router.forward import request_headers_for_worker
+from router.forward import keeps_every_reply_header, request_headers_for_worker
 from router.relay_wire import (
     CLOSED_BEFORE_REPLY,
     MAX_REPLY_FIELD,
@@ -556,3 +556,34 @@ def test_the_next_exchange_starts_clean() -> None:
         True,
         None,
     )
+
+
+# --- roles by the last message's names ------------------------------------------------------
+
+
+def test_a_request_named_as_the_last_but_for_one_header_gets_that_headers_role() -> None:
+    # Roles are reused while the names are the same, in the same order: one name that
+    # differs (same count) is looked up afresh, and so is the next request.
+    def head(second: bytes) -> bytes:
+        pairs = [(b"Host", b"c"), (second, b"x-drop"), (b"X-Drop", b"1"), (b"X-Keep", b"1")]
+        return worker_request_head(
+            "GET", "/", pairs, worker_host="w", client_ip=None, scheme="http"
+        )
+
+    for _ in range(2):
+        assert b"X-Drop: 1\r\n" in head(b"X-Other")
+        plain = head(b"Connection")
+        assert b"X-Drop" not in plain and b"Connection" not in plain
+        assert b"X-Keep: 1\r\n" in plain
+        assert b"X-Forwarded-For" not in head(b"X-Forwarded-For")
+
+
+def test_a_reply_named_as_the_last_but_for_one_header_is_judged_afresh() -> None:
+    kept = [(b"Content-Type", b"a/b"), (b"Date", b"d")]
+    for _ in range(2):
+        assert keeps_every_reply_header(kept)
+        assert not keeps_every_reply_header([(b"Content-Type", b"a/b"), (b"Connection", b"x")])
+        assert keeps_every_reply_header(list(kept))
+        assert not keeps_every_reply_header([(b"Location", b"/x"), (b"Date", b"d")])
+        assert not keeps_every_reply_header([(b"Content-Type", b"a/b")] * 2 + [(b"TE", b"x")])
+        assert keeps_every_reply_header([])
