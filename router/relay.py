@@ -23,7 +23,7 @@ from typing import Any
 
 from multidict import CIMultiDict
 
-from router.edge_request import BodyBroken, PublicRequest
+from router.edge_request import BodyBroken, ClientLost, PublicRequest
 from router.forward import (
     ForwardTimeouts,
     ReplyObserver,
@@ -66,8 +66,10 @@ __all__ = [
 ]
 
 
-class _Exchange:
-    """One request on its way to a worker: the connection it holds and its upload."""
+class _Exchange(ClientLost):
+    """One request on its way to a worker: the connection it holds and its upload. It
+    is the request's `on_client_lost` while it holds a connection: a client that leaves
+    wakes the wait for the reply at once."""
 
     __slots__ = (
         "body_broke",
@@ -107,6 +109,11 @@ class _Exchange:
             self.pool.release(conn)
         else:
             conn.abort()
+
+    def client_lost(self) -> None:
+        conn = self.conn
+        if conn is not None:
+            conn.interrupt()
 
 
 class LaneDone:
@@ -225,9 +232,9 @@ class Forwarder:
         returned all the same.
         """
         exchange = _Exchange(request, self._pool_for(upstream))
-        head, payload = self._outgoing(exchange, extra_headers, body)
+        first, whole = self._outgoing(exchange, extra_headers, body)
         try:
-            await self._send(exchange, head, payload)
+            await self._send(exchange, first, whole)
             return await self._relay(exchange, public_base, observer)
         finally:
             exchange.settle(clean=False)  # a no-op once the relay settled it
@@ -280,17 +287,16 @@ class Forwarder:
             return False  # forward() opens (or replaces) the pool
         exchange = _Exchange(request, pool)
         try:
-            head, payload = self._outgoing(exchange, extra_headers, body)
+            message, whole = self._outgoing(exchange, extra_headers, body)
         except UpstreamFailure:
             return False  # forward() meets the same failure and raises it
-        if payload is None:
+        if not whole:
             return False
         conn = pool.take_idle()
         if conn is None:
             return False
         exchange.conn = conn
-        request.on_client_lost = conn.interrupt
-        message = head + payload
+        request.on_client_lost = exchange
         self._write_request(exchange, conn, message)
         lane = _Lane(self, exchange, message, public_base, on_done)
         conn.listen(lane, exchange.deadline)
@@ -347,8 +353,12 @@ class Forwarder:
 
     def _outgoing(
         self, exchange: _Exchange, extra: dict[str, str], body: bytes | None
-    ) -> tuple[bytes, bytes | None]:
-        """The request head and, when it is all here, the framed body (None: it streams)."""
+    ) -> tuple[bytes, bool]:
+        """What to write first, and whether it is the whole request: the head and the
+        framed body when the body is all here (True), else the head alone, the body to
+        stream after it (False). Head and body are joined in one piece, as the worker
+        reads them in one recv (no copy of the head into a second bytes object: ~250
+        instructions, callgrind on bench.hotpath)."""
         request = exchange.request
         method = request.method
         if method == "CONNECT":
@@ -384,16 +394,17 @@ class Forwarder:
                 content_length=length,
                 chunked=chunked,
                 authority=request.authority,
+                body=b"" if payload is None else payload,
             )
         except ValueError as exc:
             raise UpstreamFailure(
                 "error", f"cannot send the request: {exc}", request_sent=False
             ) from exc
-        return head, payload
+        return head, payload is not None
 
-    async def _send(self, exchange: _Exchange, head: bytes, payload: bytes | None) -> None:
-        """Writes the request on a pooled or new connection; returns once the reply head
-        is in. Raises UpstreamFailure."""
+    async def _send(self, exchange: _Exchange, first: bytes, whole: bool) -> None:
+        """Writes the request (`first` and `whole`: see `_outgoing`) on a pooled or new
+        connection; returns once the reply head is in. Raises UpstreamFailure."""
         loop = self._loop
         assert loop is not None
         timeouts = self._timeouts
@@ -404,14 +415,13 @@ class Forwarder:
             raise connect_failure(exc, timeouts, request_sent=False) from exc
         exchange.conn = conn
         # A client that leaves while the worker works wakes the wait for its reply at once.
-        exchange.request.on_client_lost = conn.interrupt
-        if payload is None:
-            self._start_upload(exchange, conn, head)
+        exchange.request.on_client_lost = exchange
+        if not whole:
+            self._start_upload(exchange, conn, first)
             failure = await self._reply_head(exchange, conn)
         else:
-            message = head + payload  # one write: the worker reads it in one recv
-            self._write_request(exchange, conn, message)
-            failure = await self._reply_head_or_retry(exchange, message)
+            self._write_request(exchange, conn, first)  # one write: one recv for the worker
+            failure = await self._reply_head_or_retry(exchange, first)
         if failure is not None:
             raise failure
 
@@ -444,8 +454,7 @@ class Forwarder:
         except (OSError, PoolClosed) as exc:
             exchange.conn = None
             raise connect_failure(exc, timeouts, request_sent=True) from exc
-        exchange.conn = conn
-        exchange.request.on_client_lost = conn.interrupt  # the new connection's wait
+        exchange.conn = conn  # a client leaving now wakes this one's wait (client_lost)
         self._write_request(exchange, conn, message)
         return await self._reply_head(exchange, conn)
 

@@ -122,12 +122,14 @@ def worker_request_head(
     content_length: int | None = None,
     chunked: bool = False,
     authority: str | None = None,
+    body: bytes = b"",
 ) -> bytes:
     """The request head a worker receives, as bytes: `method target HTTP/1.1`, the header
     section of `router.forward.request_headers_for_worker` (same rules, same order), and
     the body's framing: `content_length` replaces the client's Content-Length where it
     stood (or is added last), `chunked` adds `Transfer-Encoding: chunked` last.
     `authority`: an absolute-form target's, which stands in for the client's Host.
+    `body`: bytes to follow the head in the same piece (a whole, framed body).
 
     `method`, `target` and `client_headers` (the (name, value) pairs as the bytes the
     client sent) are as llhttp parsed them, which lets no CR or LF into any of them: the
@@ -186,6 +188,8 @@ def worker_request_head(
     if chunked:
         parts.append(b"Transfer-Encoding: chunked\r\n")
     parts.append(b"\r\n")
+    if body:
+        parts.append(body)
     return b"".join(parts)
 
 

@@ -208,3 +208,13 @@ async def test_a_request_reads_a_header_off_its_list_as_the_multidict_does() -> 
     assert views["absent"][0] == ["-"]
     for name, (from_list, from_multidict) in views.items():
         assert from_list == from_multidict, name
+
+
+async def test_each_request_has_the_host_it_was_sent_with() -> None:
+    # The last Host's text is reused while the bytes are the same: a change is seen.
+    hosts = [b"a.example:8080", b"b.example", b"a.example:8080", b"\xffodd", b"b.example"]
+    data = b"".join(b"GET / HTTP/1.1\r\nHost: %b\r\n\r\n" % host for host in hosts)
+    seen = await requests_read(data)
+    assert [request.host for request in seen] == [
+        host.decode("utf-8", "surrogateescape") for host in hosts
+    ]

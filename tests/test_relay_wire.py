@@ -587,3 +587,13 @@ def test_a_reply_named_as_the_last_but_for_one_header_is_judged_afresh() -> None
         assert not keeps_every_reply_header([(b"Location", b"/x"), (b"Date", b"d")])
         assert not keeps_every_reply_header([(b"Content-Type", b"a/b")] * 2 + [(b"TE", b"x")])
         assert keeps_every_reply_header([])
+
+
+def test_a_whole_body_follows_the_head_in_the_same_piece() -> None:
+    pairs = [(b"Host", b"c"), (b"Content-Length", b"3")]
+    head = worker_request_head("POST", "/", pairs, worker_host="w", client_ip=None, scheme="http")
+    whole = worker_request_head(
+        "POST", "/", pairs, worker_host="w", client_ip=None, scheme="http", body=b"abc"
+    )
+    assert head.endswith(b"\r\n\r\n")
+    assert whole == head + b"abc"
