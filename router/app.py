@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from time import perf_counter
 from typing import Any, Final
 
 from router.answers import Answer
@@ -31,6 +30,10 @@ MAX_LOGGED_PATH: Final = 200  # a hostile client's path is cut here in the log
 
 BOOT_HEADER = "X-Episode-Router-Boot"
 MAX_SESSIONLESS_TRIES: Final = 3  # connect refused on a sessionless request: try this many workers
+# A Final name: the compiled build keeps it in a C variable, where an imported name is
+# looked up in the module's dict at each call (~130 instructions, three times a
+# request; callgrind on bench.hotpath, compiled).
+_perf_counter: Final = time.perf_counter
 # A request whose client left before its reply is counted with nginx's status for it.
 CLIENT_CLOSED_STATUS: Final = 499
 
@@ -73,7 +76,7 @@ class PublicHandler:
         that must wait (a body to read for its session, a new worker connection, a
         reply to stream, a failure to look into) is returned as a coroutine to run.
         """
-        exchange = _Exchange(self, request, perf_counter())
+        exchange = _Exchange(self, request, _perf_counter())
         refusal = self._refuse_early(request)
         if refusal is None:
             reader = self.sessions
@@ -128,7 +131,7 @@ class PublicHandler:
         exchange.kind = kind
         decision = self.core.route(kind, key, self._clock())
         if self.metrics is not None:
-            self.metrics.decision_seconds(perf_counter() - exchange.started)
+            self.metrics.decision_seconds(_perf_counter() - exchange.started)
         if isinstance(decision, Answer):
             self._answer(exchange, decision)
             return None
@@ -152,7 +155,7 @@ class PublicHandler:
 
     def _finish(self, exchange: _Exchange) -> None:
         """Counts and logs a request the router is done with."""
-        elapsed = perf_counter() - exchange.started
+        elapsed = _perf_counter() - exchange.started
         metrics = self.metrics
         if metrics is not None:
             metrics.request_done(exchange.kind, exchange.outcome, exchange.status, elapsed)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+from typing import Final
 
 from router.edge_request import PublicRequest
 from router.forward import ForwardTimeouts, UpstreamFailure
@@ -22,7 +23,7 @@ __all__ = ["WHOLE_BODY_MAX", "connect_failure", "framed_body"]
 # A request body at most this large that has fully arrived goes out with its head in one
 # write; anything else streams. A reply body this large (known length) is read whole and
 # sent with its head in one write; anything larger, or of unknown length, streams.
-WHOLE_BODY_MAX = 64 * 1024
+WHOLE_BODY_MAX: Final = 64 * 1024
 _REFUSED_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ENOENT})  # ENOENT: no socket file
 
 

@@ -218,3 +218,27 @@ async def test_each_request_has_the_host_it_was_sent_with() -> None:
     assert [request.host for request in seen] == [
         host.decode("utf-8", "surrogateescape") for host in hosts
     ]
+
+
+async def test_each_request_has_the_method_and_target_it_was_sent_with() -> None:
+    # The last method's and target's text is reused while the bytes are the same.
+    lines = [
+        (b"POST", b"/run?x=1"),
+        (b"POST", b"/run?x=1"),
+        (b"GET", b"/run?x=1"),
+        (b"GET", b"http://a.example:81/run?x=1"),
+        (b"GET", b"/caf%C3%A9"),
+        (b"PATCH", b"http://a.example:81/run?x=1"),
+        (b"MKCOL", b"/run?x=1"),
+    ]
+    data = b"".join(b"%b %b HTTP/1.1\r\nHost: h\r\n\r\n" % line for line in lines)
+    seen = await requests_read(data)
+    assert [(r.method, r.target, r.authority, r.host) for r in seen] == [
+        ("POST", "/run?x=1", None, "h"),
+        ("POST", "/run?x=1", None, "h"),
+        ("GET", "/run?x=1", None, "h"),
+        ("GET", "/run?x=1", "a.example:81", "a.example:81"),
+        ("GET", "/caf%C3%A9", None, "h"),
+        ("PATCH", "/run?x=1", "a.example:81", "a.example:81"),
+        ("MKCOL", "/run?x=1", None, "h"),
+    ]

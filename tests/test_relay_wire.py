@@ -222,6 +222,7 @@ def test_request_head_is_the_header_rules_serialized(
         {"extra": {"X-A\rX": "1"}},
         {"worker_host": "h\r\nX-Smuggled: 1"},
         {"client_ip": "10.0.0.1\n"},
+        {"scheme": "http\r\nX-Smuggled: 1"},
         {"authority": "a\rb"},
     ],
 )
@@ -273,7 +274,7 @@ def test_the_lines_the_router_adds_are_kept_no_more_than_the_bound() -> None:
             "GET", "/", [], worker_host="h", client_ip=f"10.0.{n // 256}.{n % 256}", scheme="http"
         ).decode()
         assert f"X-Forwarded-For: 10.0.{n // 256}.{n % 256}\r\n" in head
-        assert len(relay_wire._LINES["X-Forwarded-For"]) <= relay_wire.MAX_CACHED_LINES
+        assert len(relay_wire._FORWARDED_FOR_LINES) <= relay_wire.MAX_CACHED_LINES
 
 
 # --- the reply parser -----------------------------------------------------------------------
