@@ -345,10 +345,15 @@ class EdgeConnection(asyncio.Protocol):
             self._dispatch()
         if self._stopped or self._deadline_kind == _HEAD:
             return
-        if self._in_head or (events == self._parse_events and self._receiving is None):
+        if self._in_head or (
+            events == self._parse_events
+            and self._receiving is None
+            and data.strip(b"\r\n")  # llhttp skips line breaks between requests
+        ):
             # A head began and did not end in this read, or the read began no head,
-            # ended no message and was no body: the start of a request line (llhttp
-            # calls back from its target on). The head's clock starts now.
+            # ended no message, was no body and not only line breaks: the start of a
+            # request line (llhttp calls back from its target on). The head's clock
+            # starts now, and runs on past the request being handled (_dispatch).
             self._set_deadline(self._time() + self._head_timeout_s(), _HEAD)
 
     def _head_timeout_s(self) -> float:
@@ -608,11 +613,14 @@ class EdgeConnection(asyncio.Protocol):
             self._dispatching = False
         if queue or self._busy or self._halted or self._lost:
             return
+        # A head has begun when llhttp is in one, or when a read started one before its
+        # target (data_received started its clock then).
+        head_begun = self._in_head or self._deadline_kind == _HEAD
         if self._refusal is not None:
             self._write_answer_and_close(self._refusal)
-        elif self._closing and not self._in_head:
+        elif self._closing and not head_begun:
             self._close()
-        elif not self._in_head:
+        elif not head_begun:
             self._set_deadline(self._time() + self._limits.idle_timeout_s, _IDLE)
 
     async def _run_handler(self, request: PublicRequest, pending: Awaitable[None]) -> None:

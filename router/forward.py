@@ -296,10 +296,11 @@ class LastNames:
         self.flag = False
 
     def same(self, pairs: list[tuple[bytes, bytes]]) -> bool:
-        """True when `pairs` are named as the last message, in the same order."""
+        """True when `pairs` are named as the last message, in the same order (never for
+        no names: the flag of an empty message is not kept)."""
         names = self.names
         count = len(names)
-        if len(pairs) != count:
+        if count == 0 or len(pairs) != count:
             return False
         # A loop, not all() over a generator: the compiled build makes no generator.
         index = 0

@@ -199,6 +199,7 @@ class RouterMetrics:
         requests = self._hot.requests
         for kind in self._kind_labels.values():
             self._hot.forwarded[kind] = [0] * len(CLASS_LABELS)
+            self._hot.prebound_kinds.add(kind)
             for code, status in STATUS_BY_CODE.items():
                 requests[kind, code, status_class(status)] = 0
         # Successes are pre-bound; errors (at most 8 ops x 13 results) appear when first seen.
@@ -349,8 +350,10 @@ class _HotCollector(Collector):
 
     def __init__(self) -> None:
         self.requests: dict[tuple[str, str, str], int] = {}  # the router's own answers
-        # The forwarded requests: per kind, counts in CLASS_LABELS' order.
+        # The forwarded requests: per kind, counts in CLASS_LABELS' order. The kinds
+        # known at start show every class from zero; another only the classes it counted.
         self.forwarded: dict[str, list[int]] = {}
+        self.prebound_kinds: set[str] = set()
         self.forwarded_seconds = _Histogram(REQUEST_BUCKETS)
         self.answered_seconds = _Histogram(REQUEST_BUCKETS)
         self.decision_seconds = _Histogram(DECISION_BUCKETS)
@@ -364,8 +367,10 @@ class _HotCollector(Collector):
             labels=("kind", "outcome", "status_class"),
         )
         for kind, counts in list(self.forwarded.items()):
+            prebound = kind in self.prebound_kinds
             for cls, count in zip(CLASS_LABELS, counts, strict=True):
-                requests.add_metric((kind, FORWARDED, cls), count)
+                if count or prebound:  # a kind first seen shows only what it counted
+                    requests.add_metric((kind, FORWARDED, cls), count)
         for key, count in list(self.requests.items()):
             requests.add_metric(key, count)
         yield requests

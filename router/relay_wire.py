@@ -245,11 +245,17 @@ def _line_from(lines: dict[str, bytes], name: str, value: str) -> bytes:
     return line
 
 
-# The request line, kept the same way by method, then target: a tool call's target
-# repeats (the same few routes), and a line looked up costs less than one formatted
-# and encoded: 860 -> 570 instructions (callgrind on bench.hotpath, compiled).
-# `method` and `target` are as llhttp parsed them (no CR or LF).
-_REQUEST_LINES: Final[dict[str, dict[str, bytes]]] = {}
+# The request line, kept by method, then target: a tool call's target repeats (the
+# same few routes), and a line looked up costs less than one formatted and encoded:
+# 860 -> 570 instructions (callgrind on bench.hotpath, compiled). Targets are the
+# client's choice, so the bound is tighter than the added lines': the usual methods
+# only, MAX_CACHED_TARGETS a method, none over _MAX_CACHED_TARGET characters (at most
+# ~1 MB). `method` and `target` are as llhttp parsed them (no CR or LF).
+_REQUEST_LINES: Final[dict[str, dict[str, bytes]]] = {
+    method: {} for method in ("GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS")
+}
+MAX_CACHED_TARGETS: Final = 512
+_MAX_CACHED_TARGET: Final = 128
 
 
 def _request_line(method: str, target: str) -> bytes:
@@ -259,8 +265,10 @@ def _request_line(method: str, target: str) -> bytes:
         if line is not None:
             return line
     line = f"{method} {target} HTTP/1.1\r\n".encode("utf-8", "surrogateescape")
-    if len(target) <= _MAX_CACHED_VALUE:
-        _keep(_REQUEST_LINES, method, target, line)
+    if by_target is not None and len(target) <= _MAX_CACHED_TARGET:
+        if len(by_target) >= MAX_CACHED_TARGETS:
+            by_target.clear()
+        by_target[target] = line
     return line
 
 

@@ -143,6 +143,53 @@ async def test_a_request_whose_body_ends_in_a_later_read_is_not_cut_by_the_head_
         conn.close()
 
 
+async def test_a_line_break_between_requests_starts_no_head_clock(rig: Rig, tmp_path: Path) -> None:
+    # llhttp skips CR and LF between requests: a read of only those begins no head, so
+    # neither a request being handled nor an idle connection gets the head timeout.
+    config = router_config(tmp_path, limits=limits(header_timeout_s=0.3, idle_timeout_s=30.0))
+    await rig.start_router(config)
+    worker = await rig.add_worker("w0")
+    conn = await RawHttp.open(rig.router.public_port)
+    try:
+        conn.send(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab")
+        await asyncio.sleep(0.1)
+        conn.send(b"\r\n")
+        await asyncio.sleep(0.6)  # twice the head timeout, the worker still parked
+        worker.release.set()
+        status, _, _ = await conn.read_reply()
+        assert status == 200
+        conn.send(b"\r\n")
+        await asyncio.sleep(0.6)  # idle, not a head: the idle timeout applies
+        conn.send(b"GET /two HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, _ = await conn.read_reply()
+        assert status == 200
+    finally:
+        conn.close()
+
+
+async def test_a_request_line_begun_while_another_is_handled_keeps_its_head_clock(
+    rig: Rig, tmp_path: Path
+) -> None:
+    config = router_config(tmp_path, limits=limits(header_timeout_s=0.5, idle_timeout_s=30.0))
+    await rig.start_router(config)
+    worker = await rig.add_worker("w0")
+    conn = await RawHttp.open(rig.router.public_port)
+    try:
+        conn.send(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab")
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        conn.send(b"GE")  # the next request, before its target
+        await asyncio.sleep(0.1)
+        worker.release.set()
+        status, _, _ = await conn.read_reply()
+        assert status == 200
+        # The first request's end does not restart the clock as an idle one.
+        assert await conn.read_to_end() == b""
+        assert 0.4 <= time.monotonic() - started < 2.0
+    finally:
+        conn.close()
+
+
 # --- the request's headers ----------------------------------------------------------------
 
 

@@ -109,10 +109,16 @@ def test_a_forward_outside_the_known_statuses_and_kinds_counts_as_other() -> Non
     metrics.request_done("episode", "forwarded", 600, 0.01)  # outside 100..599
     metrics.request_done("episode", "forwarded", 99, 0.01)
     metrics.request_done("renamed_kind", "forwarded", 100, 0.01)  # a kind not configured
-    assert series(scrape(metrics), REQ) == {
+    samples = scrape(metrics)
+    assert series(samples, REQ) == {
         "kind=episode,outcome=forwarded,status_class=other": 2,
         "kind=other,outcome=forwarded,status_class=1xx": 1,
     }
+    # A kind first seen shows only the classes it counted, no zero series beside them.
+    every = series(samples, REQ, nonzero=False)
+    assert [labels for labels in every if labels.startswith("kind=other,")] == [
+        "kind=other,outcome=forwarded,status_class=1xx"
+    ]
 
 
 def test_request_done_counts_by_kind_outcome_and_status_class() -> None:

@@ -254,13 +254,17 @@ def test_a_client_chosen_authority_or_a_long_value_is_written_but_not_kept() -> 
 
 
 def test_request_lines_are_kept_no_more_than_the_bound() -> None:
-    for n in range(relay_wire.MAX_CACHED_LINES + 10):
+    for n in range(relay_wire.MAX_CACHED_TARGETS + 10):
         head = worker_request_head(
             "GET", f"/r/{n}", [], worker_host="h", client_ip=None, scheme="http"
         )
         assert head.startswith(f"GET /r/{n} HTTP/1.1\r\nHost: h\r\n".encode())
-        assert len(relay_wire._REQUEST_LINES["GET"]) <= relay_wire.MAX_CACHED_LINES
-    long_target = "/" + "a" * 300  # over the cached length: built each time, never kept
+        assert len(relay_wire._REQUEST_LINES["GET"]) <= relay_wire.MAX_CACHED_TARGETS
+    # A method outside the usual ones is written, never kept.
+    head = worker_request_head("MKCOL", "/r", [], worker_host="h", client_ip=None, scheme="http")
+    assert head.startswith(b"MKCOL /r HTTP/1.1\r\n")
+    assert "MKCOL" not in relay_wire._REQUEST_LINES
+    long_target = "/" + "a" * 200  # over the cached length: built each time, never kept
     head = worker_request_head(
         "GET", long_target, [], worker_host="h", client_ip=None, scheme="http"
     )
