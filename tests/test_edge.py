@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from router_fixtures import RawHttp, Rig, open_rig, router_config
+from router_fixtures import EchoWorker, RawHttp, Rig, open_rig, router_config
 
 from router.answers import Answer
 from router.config import LimitsConfig
@@ -59,13 +59,23 @@ def limits(**fields: float) -> LimitsConfig:
     return dataclasses.replace(LimitsConfig(), **fields)  # type: ignore[arg-type]
 
 
+async def a_connection(
+    rig: Rig, tmp_path: Path, *, header_timeout_s: float
+) -> tuple[RawHttp, EchoWorker]:
+    """A client connection to a router with this head timeout (idle: 30 s) and one
+    worker, w0."""
+    config = router_config(
+        tmp_path, limits=limits(header_timeout_s=header_timeout_s, idle_timeout_s=30.0)
+    )
+    await rig.start_router(config)
+    worker = await rig.add_worker("w0")
+    return await RawHttp.open(rig.router.public_port), worker
+
+
 async def test_a_second_head_dribbled_on_a_kept_alive_connection_is_cut_at_the_timeout(
     rig: Rig, tmp_path: Path
 ) -> None:
-    config = router_config(tmp_path, limits=limits(header_timeout_s=0.4, idle_timeout_s=30.0))
-    await rig.start_router(config)
-    await rig.add_worker("w0")
-    conn = await RawHttp.open(rig.router.public_port)
+    conn, _ = await a_connection(rig, tmp_path, header_timeout_s=0.4)
     try:
         conn.send(b"GET /one HTTP/1.1\r\nHost: x\r\n\r\n")
         status, _, _ = await conn.read_reply()
@@ -84,10 +94,7 @@ async def test_a_second_head_dribbled_on_a_kept_alive_connection_is_cut_at_the_t
 
 
 async def test_a_slow_body_is_not_cut_by_the_head_timeout(rig: Rig, tmp_path: Path) -> None:
-    config = router_config(tmp_path, limits=limits(header_timeout_s=0.3, idle_timeout_s=30.0))
-    await rig.start_router(config)
-    await rig.add_worker("w0")
-    conn = await RawHttp.open(rig.router.public_port)
+    conn, _ = await a_connection(rig, tmp_path, header_timeout_s=0.3)
     try:
         conn.send(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nab")
         await asyncio.sleep(0.6)
@@ -103,10 +110,7 @@ async def test_a_request_line_dribbled_before_its_target_is_cut_at_the_head_time
 ) -> None:
     # llhttp says nothing until the target: the edge starts the head's clock for a read
     # that began no head, ended no message and was no body.
-    config = router_config(tmp_path, limits=limits(header_timeout_s=0.4, idle_timeout_s=30.0))
-    await rig.start_router(config)
-    await rig.add_worker("w0")
-    conn = await RawHttp.open(rig.router.public_port)
+    conn, _ = await a_connection(rig, tmp_path, header_timeout_s=0.4)
     try:
         conn.send(b"GET /one HTTP/1.1\r\nHost: x\r\n\r\n")
         status, _, _ = await conn.read_reply()
@@ -126,10 +130,7 @@ async def test_a_request_whose_body_ends_in_a_later_read_is_not_cut_by_the_head_
 ) -> None:
     # The read that ends a body began no head but ended a message: no head clock starts
     # while the worker takes longer than the head timeout to answer.
-    config = router_config(tmp_path, limits=limits(header_timeout_s=0.3, idle_timeout_s=30.0))
-    await rig.start_router(config)
-    worker = await rig.add_worker("w0")
-    conn = await RawHttp.open(rig.router.public_port)
+    conn, worker = await a_connection(rig, tmp_path, header_timeout_s=0.3)
     try:
         conn.send(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nab")
         await asyncio.sleep(0.1)
@@ -146,10 +147,7 @@ async def test_a_request_whose_body_ends_in_a_later_read_is_not_cut_by_the_head_
 async def test_a_line_break_between_requests_starts_no_head_clock(rig: Rig, tmp_path: Path) -> None:
     # llhttp skips CR and LF between requests: a read of only those begins no head, so
     # neither a request being handled nor an idle connection gets the head timeout.
-    config = router_config(tmp_path, limits=limits(header_timeout_s=0.3, idle_timeout_s=30.0))
-    await rig.start_router(config)
-    worker = await rig.add_worker("w0")
-    conn = await RawHttp.open(rig.router.public_port)
+    conn, worker = await a_connection(rig, tmp_path, header_timeout_s=0.3)
     try:
         conn.send(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab")
         await asyncio.sleep(0.1)
@@ -170,10 +168,7 @@ async def test_a_line_break_between_requests_starts_no_head_clock(rig: Rig, tmp_
 async def test_a_request_line_begun_while_another_is_handled_keeps_its_head_clock(
     rig: Rig, tmp_path: Path
 ) -> None:
-    config = router_config(tmp_path, limits=limits(header_timeout_s=0.5, idle_timeout_s=30.0))
-    await rig.start_router(config)
-    worker = await rig.add_worker("w0")
-    conn = await RawHttp.open(rig.router.public_port)
+    conn, worker = await a_connection(rig, tmp_path, header_timeout_s=0.5)
     try:
         conn.send(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab")
         await asyncio.sleep(0.1)
