@@ -72,22 +72,48 @@ async def a_connection(
     return await RawHttp.open(rig.router.public_port), worker
 
 
+async def send_a_parked_post(conn: RawHttp, *, content_length: int, then: bytes) -> None:
+    """A POST to /slow (the worker parks it) with `content_length` announced and two body
+    bytes sent; `then` follows in a read of its own, 0.1 s later."""
+    conn.send(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\nab" % content_length)
+    await asyncio.sleep(0.1)
+    conn.send(then)
+
+
+async def status_of(conn: RawHttp, request: bytes) -> int:
+    """The status of the reply to `request`, sent on `conn`."""
+    conn.send(request)
+    status, _, _ = await conn.read_reply()
+    return status
+
+
+async def seconds_until_closed(conn: RawHttp, started: float) -> float:
+    """Seconds from `started` (time.monotonic) until the router closed `conn`, having
+    sent nothing more on it."""
+    assert await conn.read_to_end() == b""
+    return time.monotonic() - started
+
+
+async def status_once_released(conn: RawHttp, worker: EchoWorker) -> int:
+    """The status of the reply to the request `worker` parked, once it lets it go."""
+    worker.release.set()
+    status, _, _ = await conn.read_reply()
+    return status
+
+
 async def test_a_second_head_dribbled_on_a_kept_alive_connection_is_cut_at_the_timeout(
     rig: Rig, tmp_path: Path
 ) -> None:
     conn, _ = await a_connection(rig, tmp_path, header_timeout_s=0.4)
     try:
-        conn.send(b"GET /one HTTP/1.1\r\nHost: x\r\n\r\n")
-        status, _, _ = await conn.read_reply()
-        assert status == 200
+        assert await status_of(conn, b"GET /one HTTP/1.1\r\nHost: x\r\n\r\n") == 200
         await asyncio.sleep(0.6)  # idle longer than the head timeout: allowed
-        conn.send(b"GET /two HTTP/1.1\r\nHost: x\r\n\r\n")
-        status, _, _ = await conn.read_reply()
-        assert status == 200  # the idle time did not count against the head
+        assert (
+            await status_of(conn, b"GET /two HTTP/1.1\r\nHost: x\r\n\r\n") == 200
+        )  # the idle time did not count against the head
         started = time.monotonic()
         conn.send(b"GET /three HTTP/1.1\r\nHost: x\r\nX-Slow: ")
-        assert await conn.read_to_end() == b""
-        assert 0.3 <= time.monotonic() - started < 2.0
+        assert 0.3 <= await seconds_until_closed(conn, started) < 2.0
     finally:
         conn.close()
     assert [seen.path for seen in rig.workers["w0"].seen] == ["/one", "/two"]
@@ -112,15 +138,12 @@ async def test_a_request_line_dribbled_before_its_target_is_cut_at_the_head_time
     # that began no head, ended no message and was no body.
     conn, _ = await a_connection(rig, tmp_path, header_timeout_s=0.4)
     try:
-        conn.send(b"GET /one HTTP/1.1\r\nHost: x\r\n\r\n")
-        status, _, _ = await conn.read_reply()
-        assert status == 200
+        assert await status_of(conn, b"GET /one HTTP/1.1\r\nHost: x\r\n\r\n") == 200
         started = time.monotonic()
         conn.send(b"GE")
         await asyncio.sleep(0.1)
         conn.send(b"T")
-        assert await conn.read_to_end() == b""
-        assert 0.3 <= time.monotonic() - started < 2.0
+        assert 0.3 <= await seconds_until_closed(conn, started) < 2.0
     finally:
         conn.close()
 
@@ -132,14 +155,10 @@ async def test_a_request_whose_body_ends_in_a_later_read_is_not_cut_by_the_head_
     # while the worker takes longer than the head timeout to answer.
     conn, worker = await a_connection(rig, tmp_path, header_timeout_s=0.3)
     try:
-        conn.send(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nab")
-        await asyncio.sleep(0.1)
-        conn.send(b"cd")
+        await send_a_parked_post(conn, content_length=4, then=b"cd")
         await asyncio.sleep(0.6)  # twice the head timeout, the worker still parked
         assert worker.parked == 1
-        worker.release.set()
-        status, _, _ = await conn.read_reply()
-        assert status == 200
+        assert await status_once_released(conn, worker) == 200
     finally:
         conn.close()
 
@@ -149,18 +168,12 @@ async def test_a_line_break_between_requests_starts_no_head_clock(rig: Rig, tmp_
     # neither a request being handled nor an idle connection gets the head timeout.
     conn, worker = await a_connection(rig, tmp_path, header_timeout_s=0.3)
     try:
-        conn.send(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab")
-        await asyncio.sleep(0.1)
-        conn.send(b"\r\n")
+        await send_a_parked_post(conn, content_length=2, then=b"\r\n")
         await asyncio.sleep(0.6)  # twice the head timeout, the worker still parked
-        worker.release.set()
-        status, _, _ = await conn.read_reply()
-        assert status == 200
+        assert await status_once_released(conn, worker) == 200
         conn.send(b"\r\n")
         await asyncio.sleep(0.6)  # idle, not a head: the idle timeout applies
-        conn.send(b"GET /two HTTP/1.1\r\nHost: x\r\n\r\n")
-        status, _, _ = await conn.read_reply()
-        assert status == 200
+        assert await status_of(conn, b"GET /two HTTP/1.1\r\nHost: x\r\n\r\n") == 200
     finally:
         conn.close()
 
@@ -170,17 +183,12 @@ async def test_a_request_line_begun_while_another_is_handled_keeps_its_head_cloc
 ) -> None:
     conn, worker = await a_connection(rig, tmp_path, header_timeout_s=0.5)
     try:
-        conn.send(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab")
-        await asyncio.sleep(0.1)
+        await send_a_parked_post(conn, content_length=2, then=b"GE")  # GE: the next request
         started = time.monotonic()
-        conn.send(b"GE")  # the next request, before its target
         await asyncio.sleep(0.1)
-        worker.release.set()
-        status, _, _ = await conn.read_reply()
-        assert status == 200
+        assert await status_once_released(conn, worker) == 200
         # The first request's end does not restart the clock as an idle one.
-        assert await conn.read_to_end() == b""
-        assert 0.4 <= time.monotonic() - started < 2.0
+        assert 0.4 <= await seconds_until_closed(conn, started) < 2.0
     finally:
         conn.close()
 
