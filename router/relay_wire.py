@@ -241,7 +241,7 @@ def _line_from(lines: dict[str, bytes], name: str, value: str) -> bytes:
     if line is None:
         line = _checked_line(name, value)
         if len(value) <= _MAX_CACHED_VALUE:
-            _put(lines, value, line)
+            _put(lines, value, line, MAX_CACHED_LINES)
     return line
 
 
@@ -266,9 +266,7 @@ def _request_line(method: str, target: str) -> bytes:
             return line
     line = f"{method} {target} HTTP/1.1\r\n".encode("utf-8", "surrogateescape")
     if by_target is not None and len(target) <= _MAX_CACHED_TARGET:
-        if len(by_target) >= MAX_CACHED_TARGETS:
-            by_target.clear()
-        by_target[target] = line
+        _put(by_target, target, line, MAX_CACHED_TARGETS)
     return line
 
 
@@ -279,12 +277,12 @@ def _keep(cache: dict[str, dict[str, bytes]], first: str, second: str, line: byt
         if len(cache) >= _MAX_CACHED_NAMES:
             cache.clear()
         by_second = cache[first] = {}
-    _put(by_second, second, line)
+    _put(by_second, second, line, MAX_CACHED_LINES)
 
 
-def _put(lines: dict[str, bytes], key: str, line: bytes) -> None:
-    """Keeps `line` under `key`; a table with MAX_CACHED_LINES already is emptied first."""
-    if len(lines) >= MAX_CACHED_LINES:
+def _put(lines: dict[str, bytes], key: str, line: bytes, bound: int) -> None:
+    """Keeps `line` under `key`; a table with `bound` lines already is emptied first."""
+    if len(lines) >= bound:
         lines.clear()
     lines[key] = line
 
