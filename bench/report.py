@@ -78,6 +78,13 @@ class Figures:
     cpu_rounds: list[float] = field(default_factory=list)
     rps_rounds: list[float] = field(default_factory=list)
     cpu_ratio_rounds: list[float] = field(default_factory=list)  # to nginx's, round by round
+    # Every round's serial p50 and p99, and its added p50 and p99 (the proxy's figure minus
+    # the direct one measured just before it): the serial columns show their medians.
+    serial_p50_rounds: list[float] = field(default_factory=list)
+    serial_p99_rounds: list[float] = field(default_factory=list)
+    added_p50_rounds: list[float] = field(default_factory=list)
+    added_p99_rounds: list[float] = field(default_factory=list)
+    added_ratio_rounds: list[float] = field(default_factory=list)  # to nginx's, round by round
     ratios: dict[str, float | None] = field(default_factory=dict)
 
 
@@ -113,23 +120,30 @@ def ratio(value: float | None, base: float | None) -> float | None:
 
 def fill_ratios(run: Run) -> None:
     """Sets every proxy's ratios to nginx: CPU, proxy-bound and worker-bound throughput,
-    added p50 latency."""
+    added p50 latency; and the CPU and added p50 ratios round by round."""
     base = run.by_name(BASELINE)
     for figures in run.figures:
         if figures.status != "ok" or figures.name == DIRECT:
             continue
-        if base is not None and len(base.cpu_rounds) == len(figures.cpu_rounds):
-            figures.cpu_ratio_rounds = [
-                mine / theirs
-                for mine, theirs in zip(figures.cpu_rounds, base.cpu_rounds, strict=True)
-                if theirs > 0
-            ]
+        if base is not None:
+            figures.cpu_ratio_rounds = _round_ratios(figures.cpu_rounds, base.cpu_rounds)
+            figures.added_ratio_rounds = _round_ratios(
+                figures.added_p50_rounds, base.added_p50_rounds
+            )
         figures.ratios = {
             "cpu": ratio(figures.cpu_us_per_request, base.cpu_us_per_request if base else None),
             "rps": ratio(figures.rps, base.rps if base else None),
             "bound_rps": ratio(figures.bound_rps, base.bound_rps if base else None),
             "added_p50": ratio(figures.added_p50_us, base.added_p50_us if base else None),
         }
+
+
+def _round_ratios(mine: Sequence[float], theirs: Sequence[float]) -> list[float]:
+    """Each round's figure over the baseline's same round: none unless both have as many
+    rounds; a round where the baseline's figure is not positive is left out."""
+    if len(mine) != len(theirs):
+        return []
+    return [m / t for m, t in zip(mine, theirs, strict=True) if t > 0]
 
 
 def _check(
@@ -157,6 +171,11 @@ def check_targets(run: Run) -> list[TargetCheck]:
     r = router.ratios
     cpu, bound, added = r.get("cpu"), r.get("bound_rps"), r.get("added_p50")
     half = router.paced_p99_us
+    paced = _paced_shown(router)
+    direct = run.by_name(DIRECT)
+    if half is not None and direct is not None and direct.paced_p99_us is not None:
+        # The machine's own floor: the workers alone, paced directly at the same total rate.
+        paced += f"; direct to the workers: {direct.paced_p99_us:.0f} us"
     no_bound = "nginx skipped" if router.bound_rps is not None else "no worker-bound run"
     return [
         _check(
@@ -173,7 +192,7 @@ def check_targets(run: Run) -> list[TargetCheck]:
         ),
         TargetCheck(
             f"p99 <= {MAX_HALF_LOAD_P99_US:g} us at half of saturation",
-            _paced_shown(router),
+            paced,
             half <= MAX_HALF_LOAD_P99_US if half is not None else None,
         ),
         _check(
@@ -270,12 +289,20 @@ def legend(settings: Mapping[str, Any], figures: Sequence[Figures]) -> list[str]
             for f in measured
             if f.name != BASELINE and f.cpu_ratio_rounds
         ]
-        lines.append(
-            f" CPU us/req and proxy-bound rps: medians of {rounds} rounds, every proxy once"
-            " a round;"
-        )
+        added = [
+            f"{f.name} " + " ".join(f"{r:.2f}" for r in f.added_ratio_rounds)
+            for f in measured
+            if f.name != BASELINE and f.added_ratio_rounds
+        ]
+        lines += [
+            f" CPU us/req, proxy-bound rps, serial p50/p99 and added p50: medians of {rounds}"
+            " rounds, every",
+            "   proxy once a round (each round's added p50 against the direct p50 just before it);",
+        ]
         if spread:
             lines += _wrapped("   CPU x nginx round by round: ", spread, ";")
+        if added:
+            lines += _wrapped("   serial added p50 x nginx round by round: ", added, ";")
     if work_us > 0 and isinstance(workers, int):
         ceiling = workers * 1e6 / work_us
         lines += [
@@ -304,9 +331,33 @@ def legend(settings: Mapping[str, Any], figures: Sequence[Figures]) -> list[str]
         " paced: every proxy asked for half the router's proxy-bound rps"
         + (f" ({asked:,.0f})" if asked else "")
         + ", paced rps achieved;",
-        f"   by {how})",
+        f"   by {how}",
     ]
+    direct = next((f for f in figures if f.status == "ok" and f.name == DIRECT), None)
+    if direct is not None and direct.paced_p99_us is not None:
+        lines[-1] += ";"
+        lines += _direct_paced_legend(settings, direct)
+    lines[-1] += ")"
     return lines
+
+
+def _direct_paced_legend(settings: Mapping[str, Any], direct: Figures) -> list[str]:
+    """How the direct row's paced figures were measured: the machine's own p99 floor."""
+    workers = settings.get("workers")
+    connections = settings.get("connections")
+    if isinstance(workers, int) and workers > 0 and isinstance(connections, int):
+        each = f"rate/{workers} on {max(1, connections // workers)} connections"
+        who = f"the {workers} workers"
+    else:
+        each, who = "its share of the rate and connections", "the workers"
+    by = {"wrk": ", a wrk each", "bundled": ", the bundled generator"}.get(
+        direct.paced_tool or "", ""
+    )
+    return [
+        f" paced, direct row: {who} at once, each straight at {each}{by};",
+        "   paced rps: their sum; p50, p99: the worst worker's (an upper bound on the combined"
+        " p99)",
+    ]
 
 
 def format_table(run: Run) -> str:

@@ -13,7 +13,7 @@ for the peers), then measures:
 
 - serial latency: N requests one after another on one keep-alive connection;
   the added latency is the proxy's p50 minus the direct-to-worker p50 measured
-  just before it;
+  just before it; measured every round, the columns are the rounds' medians;
 - proxy-bound throughput and CPU: wrk (or the bundled generator) at C
   connections to the trivial workers, where the proxy is the bottleneck; the
   proxy's CPU time is read from /proc (utime + stime of all its processes)
@@ -21,7 +21,9 @@ for the peers), then measures:
 - latency at half of saturation: wrk with a think time per connection (or,
   without wrk, the bundled generator) paced at half the router's proxy-bound
   rate. The router is measured first, and every peer is then paced at that
-  same rate, so the latencies compare at one offered load;
+  same rate, so the latencies compare at one offered load. The direct row's
+  paced figures are the machine's own floor: every worker driven at once,
+  straight, at rate / W on C / W connections (p50, p99: the worst worker's);
 - worker-bound throughput: the same closed loop at C connections to the busy
   workers, which are then the bottleneck (what the issue's throughput target
   is about). A peer is started a second time, on the busy workers' ports, for
@@ -37,6 +39,7 @@ ratios measured in one run are the thing to read, never absolute times.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import functools
 import json
@@ -46,7 +49,8 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http.client import HTTPException
 from pathlib import Path
@@ -78,7 +82,15 @@ from bench.report import (
 )
 from router.build import build_name
 
-__all__ = ["Settings", "build_parser", "main", "run_benchmark", "settings_from_args"]
+__all__ = [
+    "Settings",
+    "add_direct_paced",
+    "add_serial_round",
+    "build_parser",
+    "main",
+    "run_benchmark",
+    "settings_from_args",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +105,9 @@ class Settings:
     load_s: float = 10.0
     paced_s: float = 5.0
     work_us: float = 400.0  # the busy workers' spin per request; 0: no worker-bound run
-    # Proxy-bound load runs: every proxy once a round, rounds one after another; CPU per
-    # request and rps are the medians (one shared VM moves a single run by ±15% or more).
+    # Rounds of serial latency and proxy-bound load: every proxy once a round, rounds one
+    # after another; serial latency, CPU per request and rps are the medians (one shared VM
+    # moves a single run by ±15% or more, a serial p50's added part by far more).
     rounds: int = 3
     bound_s: float = 5.0  # the worker-bound run's length
     serial_requests: int = 5000
@@ -220,15 +233,18 @@ class Bench:
             load.closed_loop(port, self.requests_for(port), s.connections, s.load_s)
         )
 
+    def serial_round(self, port: int, figures: Figures) -> None:
+        """One round's serial latency: direct to the first worker, then through the proxy
+        on `port`; joins `figures`' rounds, and the serial columns become the medians."""
+        direct = self.direct()
+        add_serial_round(figures, direct, self.serial(port))
+
     def measure(self, name: str, proxy: Child) -> Figures:
-        """Every figure of one proxy, already started on `proxy.port`."""
+        """Every figure of one proxy, already started on `proxy.port` (its first round)."""
         port = proxy.port
         check_routing(name, port, self.episodes)
-        direct_p50, direct_p99 = self.direct()
-        p50, p99 = self.serial(port)
-        figures = Figures(name=name, serial_p50_us=p50, serial_p99_us=p99)
-        figures.added_p50_us = p50 - direct_p50
-        figures.added_p99_us = p99 - direct_p99
+        figures = Figures(name=name)
+        self.serial_round(port, figures)
         figures.processes = len(proxy.pids())
         result = self.load_round(proxy, figures)
         figures.load_tool = result.tool
@@ -277,6 +293,38 @@ class Bench:
         if paced.requests:
             figures.paced_rps = paced.rps
             figures.paced_p50_us, figures.paced_p99_us = paced.p50_us, paced.p99_us
+
+    def paced_direct(self, rate: float, figures: Figures) -> None:
+        """The machine's own p99 floor at `rate`: every trivial worker driven at once,
+        straight, at rate / W on C / W connections (a wrk each, concurrently, else the
+        bundled generator for all on one loop); fills `figures`' paced columns."""
+        s = self.settings
+        ports = [w.port for w in self.workers]
+        count = len(ports)
+        if count == 0:
+            raise RuntimeError("no workers to pace")
+        each_rate = rate / count
+        connections = max(1, s.connections // count)
+        results: list[load.LoadResult]
+        if self.wrk is not None:
+            wrk = self.wrk
+            script = self.folder / "paced-direct.lua"
+            delay_ms = load.wrk_delay_ms(connections, each_rate)
+            tokens = [e.token for e in self.episodes]
+            script.write_text(load.paced_wrk_script(tokens, connections, delay_ms))
+
+            def drive(port: int) -> load.LoadResult:
+                return load.run_wrk(wrk, port, str(script), connections, 1, s.paced_s, each_rate)
+
+            with ThreadPoolExecutor(max_workers=count) as pool:
+                results = list(pool.map(drive, ports))
+        else:
+            runs = [
+                load.paced(port, self.requests_for(port), connections, s.paced_s, each_rate)
+                for port in ports
+            ]
+            results = load.run_async(_gathered(runs))
+        add_direct_paced(figures, rate, results)
 
     def bound(self, name: str, proxy: Child, figures: Figures) -> None:
         """The worker-bound run: C connections through `proxy`, already started on the
@@ -377,7 +425,8 @@ def _measure_target(
 def _load_round(
     bench: Bench, measured: Sequence[Figures], starts: Mapping[str, Callable[[bool], Child]]
 ) -> None:
-    """One more proxy-bound load run of every proxy measured so far, in the same order."""
+    """One more round of every proxy measured so far, in the same order: its serial
+    latency (direct just before), then its proxy-bound load run, on one start of it."""
     for figures in measured:
         start = starts.get(figures.name)
         if figures.status != "ok" or start is None:
@@ -385,12 +434,13 @@ def _load_round(
         try:
             proxy = start(False)
         except (StartFailure, OSError) as exc:
-            figures.reason = f"a later load round did not start: {exc}"
+            figures.reason = f"a later round did not start: {exc}"
             continue
         try:
+            bench.serial_round(proxy.port, figures)
             bench.load_round(proxy, figures)
         except _FAILURES as exc:
-            figures.reason = f"a later load round failed: {type(exc).__name__}: {exc}"
+            figures.reason = f"a later round failed: {type(exc).__name__}: {exc}"
         finally:
             if proxy is not bench.router:
                 proxy.stop()
@@ -419,6 +469,7 @@ def run_benchmark(settings: Settings, out: Path, say: Callable[[str], None] = pr
     out.mkdir(parents=True, exist_ok=True)
     raise_fd_limit(65536)
     run = Run(settings=_settings_json(settings), machine=machine_facts(), figures=[])
+    direct = Figures(name=DIRECT)
     with tempfile.TemporaryDirectory(prefix="episode-router-bench-") as scratch:
         bench = Bench(settings, Path(scratch))
         try:
@@ -428,6 +479,9 @@ def run_benchmark(settings: Settings, out: Path, say: Callable[[str], None] = pr
             assert router is not None
             measured = _measure_target(bench, "router", lambda _busy: router, False, say)
             bench.paced_rate = measured.rps / 2 if measured.rps else None
+            if bench.paced_rate is not None:
+                say("measuring the workers directly, paced ...")
+                _measure_direct_paced(bench, bench.paced_rate, direct, run)
             found = {name: find_peer(name) for name in settings.peers}
             starts: dict[str, Callable[[bool], Child]] = {"router": lambda _busy: router}
             for name in settings.peers:
@@ -441,14 +495,13 @@ def run_benchmark(settings: Settings, out: Path, say: Callable[[str], None] = pr
                 starts[name] = start
             run.figures.append(measured)
             for round_number in range(2, settings.rounds + 1):
-                say(f"round {round_number} of {settings.rounds}: proxy-bound load ...")
+                say(f"round {round_number} of {settings.rounds}: serial, proxy-bound load ...")
                 _load_round(bench, run.figures, starts)
             if settings.profile_s > 0:
                 say("profiling the router ...")
                 run.notes.append(bench.profile_router(out))
         finally:
             bench.stop()
-        direct = Figures(name=DIRECT)
         direct.serial_p50_us = _median(bench.direct_p50s)
         direct.serial_p99_us = _median(bench.direct_p99s)
         run.figures.insert(0, direct)
@@ -461,9 +514,53 @@ def run_benchmark(settings: Settings, out: Path, say: Callable[[str], None] = pr
     return run
 
 
+def _measure_direct_paced(bench: Bench, rate: float, direct: Figures, run: Run) -> None:
+    """Runs `bench.paced_direct` into `direct`; a failure goes to the notes (the other
+    figures stand)."""
+    try:
+        bench.paced_direct(rate, direct)
+    except _FAILURES as exc:
+        run.notes.append(f"direct paced run failed: {type(exc).__name__}: {exc}")
+
+
+async def _gathered(runs: Sequence[Coroutine[Any, Any, load.LoadResult]]) -> list[load.LoadResult]:
+    return list(await asyncio.gather(*runs))
+
+
 def _median(values: Sequence[float]) -> float | None:
     ordered = sorted(values)
     return ordered[len(ordered) // 2] if ordered else None
+
+
+def add_serial_round(
+    figures: Figures, direct: tuple[float, float], proxy: tuple[float, float]
+) -> None:
+    """Adds one round's serial (p50, p99) through the proxy and the direct (p50, p99)
+    measured just before it to `figures`' rounds; the serial and added figures become the
+    medians of the rounds so far (the added ones: of each round's difference)."""
+    (direct_p50, direct_p99), (p50, p99) = direct, proxy
+    figures.serial_p50_rounds.append(p50)
+    figures.serial_p99_rounds.append(p99)
+    figures.added_p50_rounds.append(p50 - direct_p50)
+    figures.added_p99_rounds.append(p99 - direct_p99)
+    figures.serial_p50_us = _median(figures.serial_p50_rounds)
+    figures.serial_p99_us = _median(figures.serial_p99_rounds)
+    figures.added_p50_us = _median(figures.added_p50_rounds)
+    figures.added_p99_us = _median(figures.added_p99_rounds)
+
+
+def add_direct_paced(figures: Figures, rate: float, results: Sequence[load.LoadResult]) -> None:
+    """The paced columns of the workers driven directly, each by its own generator, at
+    once: `rate` in all. paced rps is the sum; p50 and p99 are the worst worker's, an upper
+    bound on those of all the requests together (the p99 of a union of samples lies
+    between the samples' p99s). Latencies only when every worker answered something."""
+    figures.paced_rate_asked = rate
+    figures.paced_tool = results[0].tool if results else None
+    figures.paced_errors = sum(r.errors for r in results)
+    if results and all(r.requests for r in results):
+        figures.paced_rps = sum(r.rps for r in results)
+        figures.paced_p50_us = max(r.p50_us for r in results)
+        figures.paced_p99_us = max(r.p99_us for r in results)
 
 
 def _settings_json(settings: Settings) -> dict[str, Any]:
@@ -506,8 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds",
         type=int,
         default=None,
-        help="proxy-bound load runs per proxy, interleaved; CPU and rps are their medians "
-        "(default 3, 1 with --quick)",
+        help="serial and proxy-bound load runs per proxy, interleaved; serial latency, CPU "
+        "and rps are their medians (default 3, 1 with --quick)",
     )
     parser.add_argument(
         "--work-us",

@@ -29,6 +29,7 @@ if str(ROOT) not in sys.path:
 from bench.episodes import balanced_tokens, mint_episodes  # noqa: E402
 from bench.floor import Floor, floor_protocol  # noqa: E402
 from bench.load import (  # noqa: E402
+    LoadResult,
     ReplyParser,
     build_request,
     paced_wrk_script,
@@ -49,7 +50,13 @@ from bench.report import (  # noqa: E402
     legend,
     to_json,
 )
-from bench.run import Settings, build_parser, settings_from_args  # noqa: E402
+from bench.run import (  # noqa: E402
+    Settings,
+    add_direct_paced,
+    add_serial_round,
+    build_parser,
+    settings_from_args,
+)
 from bench.worker import spin  # noqa: E402
 
 FULL = os.environ.get("EPISODE_ROUTER_BENCH") == "1"
@@ -317,11 +324,57 @@ def test_cpu_ratios_are_kept_round_by_round_and_the_legend_shows_them() -> None:
     assert nginx.cpu_ratio_rounds == pytest.approx([1.0, 1.0, 1.0])
     assert floor.cpu_ratio_rounds == []
     lines = legend({"connections": 32, "work_us": 0, "rounds": 3}, [nginx, router, floor])
-    assert lines[2:4] == [
-        " CPU us/req and proxy-bound rps: medians of 3 rounds, every proxy once a round;",
+    assert lines[2:5] == [
+        " CPU us/req, proxy-bound rps, serial p50/p99 and added p50: medians of 3 rounds, every",
+        "   proxy once a round (each round's added p50 against the direct p50 just before it);",
         "   CPU x nginx round by round: router 2.50 1.80 3.00;",
     ]
+    assert not any("added p50 x nginx" in line for line in lines)  # no serial rounds given
     assert not any("round" in line for line in legend({"rounds": 1}, [nginx, router]))
+
+
+def test_serial_figures_are_the_medians_of_the_rounds_added_of_each_rounds_difference() -> None:
+    figures = Figures(name="router")
+    add_serial_round(figures, (50.0, 90.0), (150.0, 400.0))
+    assert (figures.serial_p50_us, figures.added_p50_us) == (150.0, 100.0)
+    assert (figures.serial_p99_us, figures.added_p99_us) == (400.0, 310.0)
+    add_serial_round(figures, (80.0, 100.0), (130.0, 300.0))
+    add_serial_round(figures, (40.0, 95.0), (200.0, 500.0))
+    assert figures.serial_p50_rounds == [150.0, 130.0, 200.0]
+    assert figures.serial_p99_rounds == [400.0, 300.0, 500.0]
+    assert figures.added_p50_rounds == [100.0, 50.0, 160.0]
+    assert figures.added_p99_rounds == [310.0, 200.0, 405.0]
+    assert (figures.serial_p50_us, figures.serial_p99_us) == (150.0, 400.0)
+    # The median of the differences (100), not median proxy - median direct (150 - 50).
+    assert (figures.added_p50_us, figures.added_p99_us) == (100.0, 310.0)
+    add_serial_round(figures, (60.0, 90.0), (180.0, 350.0))
+    assert figures.added_p50_us == 120.0  # of 50, 100, 120, 160: the upper middle
+    assert figures.serial_p50_us == 180.0
+
+
+def test_added_latency_ratios_are_kept_round_by_round_and_the_legend_shows_them() -> None:
+    nginx = _figures("nginx", 20.0, 20000.0, 100.0, 900.0)
+    router = _figures("router", 50.0, 12000.0, 150.0, 1500.0)
+    haproxy = _figures("haproxy", 20.0, 20000.0, 90.0, 900.0)
+    floor = _figures("floor", 24.0, 19000.0, 100.0, 950.0)
+    nginx.added_p50_rounds = [100.0, 80.0, 0.0]
+    router.added_p50_rounds = [110.0, 108.0, 95.0]
+    haproxy.added_p50_rounds = [90.0, 40.0, 70.0]
+    floor.added_p50_rounds = [100.0]  # rounds missing: no round-by-round ratios
+    run = Run(settings={}, machine={}, figures=[nginx, router, haproxy, floor])
+    fill_ratios(run)
+    # nginx's third round added nothing measurable: that round has no ratio.
+    assert router.added_ratio_rounds == pytest.approx([1.1, 1.35])
+    assert haproxy.added_ratio_rounds == pytest.approx([0.9, 0.5])
+    assert floor.added_ratio_rounds == []
+    assert router.ratios["added_p50"] == pytest.approx(1.5)  # the medians' ratio: 150 / 100
+    lines = legend({"rounds": 3}, [nginx, router, haproxy, floor])
+    assert "   serial added p50 x nginx round by round: router 1.10 1.35, haproxy 0.90 0.50;" in (
+        lines
+    )
+    data = json.loads(to_json(run))
+    assert data["proxies"][1]["added_ratio_rounds"] == pytest.approx([1.1, 1.35])
+    assert data["proxies"][1]["added_p50_rounds"] == [110.0, 108.0, 95.0]
 
 
 def test_ratios_and_targets_against_nginx_in_the_same_run() -> None:
@@ -378,6 +431,60 @@ def test_the_paced_target_says_the_rate_achieved_and_the_tool() -> None:
     router.paced_rps, router.paced_tool = 4321.0, "wrk"
     checks = check_targets(Run(settings={}, machine={}, figures=[router]))
     assert (checks[2].met, checks[2].measured) == (True, "812 us at 4,321 rps (wrk)")
+
+
+def test_the_paced_target_shows_the_direct_floor_but_is_judged_on_the_router_alone() -> None:
+    router = _figures("router", 70.0, 9000.0, 130.0, 1840.0)
+    router.paced_rps, router.paced_tool = 3205.0, "wrk"
+    direct = Figures(name="direct", paced_p99_us=810.4, paced_rps=3190.0, paced_tool="wrk")
+    run = Run(settings={}, machine={}, figures=[direct, router])
+    run.targets = check_targets(run)
+    assert (run.targets[2].met, run.targets[2].measured) == (
+        False,
+        "1840 us at 3,205 rps (wrk); direct to the workers: 810 us",
+    )
+    assert (
+        "NOT met  p99 <= 1000 us at half of saturation: 1840 us at 3,205 rps (wrk);"
+        " direct to the workers: 810 us" in format_table(run)
+    )
+    # A direct floor above the bound does not fail a router under it.
+    router.paced_p99_us, direct.paced_p99_us = 900.0, 1200.0
+    assert check_targets(run)[2].met is True
+    # No direct paced figure (its run failed): the line is the router's alone.
+    direct.paced_p99_us = None
+    assert check_targets(run)[2].measured == "900 us at 3,205 rps (wrk)"
+
+
+def test_direct_paced_sums_the_workers_rates_and_keeps_the_worst_latencies() -> None:
+    results = [
+        LoadResult("wrk", 8000, 1, 5.0, 210.0, 640.0, 1600.0),
+        LoadResult("wrk", 7900, 2, 5.0, 190.0, 870.0, 1600.0),
+    ]
+    direct = Figures(name="direct")
+    add_direct_paced(direct, 3200.0, results)
+    assert (direct.paced_rps, direct.paced_rate_asked) == (pytest.approx(3180.0), 3200.0)
+    assert (direct.paced_p50_us, direct.paced_p99_us) == (210.0, 870.0)
+    assert (direct.paced_errors, direct.paced_tool) == (3, "wrk")
+    starved = Figures(name="direct")
+    add_direct_paced(starved, 3200.0, [results[0], LoadResult("bundled", 0, 16, 5.0, 0.0, 0.0)])
+    # A worker that answered nothing has no p99: no latency is claimed for the floor.
+    assert (starved.paced_p99_us, starved.paced_rps, starved.paced_errors) == (None, None, 17)
+
+
+def test_the_legend_says_how_the_direct_paced_floor_is_measured() -> None:
+    nginx = _figures("nginx", 20.0, 20000.0, 90.0, 900.0)
+    nginx.paced_tool, nginx.paced_rate_asked = "wrk", 3200.0
+    direct = Figures(name="direct", paced_p99_us=810.0, paced_tool="wrk")
+    settings = {"connections": 32, "workers": 2, "work_us": 0, "load_tool": "wrk"}
+    assert legend(settings, [direct, nginx])[-3:] == [
+        "   by wrk, each connection waiting C/rate before each request (closed loop);",
+        " paced, direct row: the 2 workers at once, each straight at rate/2 on 16 connections,"
+        " a wrk each;",
+        "   paced rps: their sum; p50, p99: the worst worker's (an upper bound on the combined"
+        " p99))",
+    ]
+    direct.paced_p99_us = None
+    assert legend(settings, [direct, nginx])[-1].endswith("(closed loop))")
 
 
 def test_without_nginx_the_ratio_targets_are_not_measured() -> None:
@@ -531,7 +638,12 @@ def test_quick_harness_measures_the_router_and_nginx_when_installed(tmp_path: Pa
     assert len(router["cpu_rounds"]) == len(router["rps_rounds"]) == 2
     assert router["cpu_us_per_request"] == max(router["cpu_rounds"])
     assert router["serial_p50_us"] <= router["serial_p99_us"]
-    _positive(proxies["direct"], "serial_p50_us")
+    # Serial latency is measured every round too: the columns are medians of the rounds.
+    assert len(router["serial_p50_rounds"]) == len(router["added_p50_rounds"]) == 2
+    assert router["serial_p50_us"] == max(router["serial_p50_rounds"])
+    assert router["added_p50_us"] == max(router["added_p50_rounds"])
+    direct = proxies["direct"]
+    _positive(direct, "serial_p50_us")
     targets = [t["target"] for t in data["targets"]]
     assert targets[2].startswith("p99 <= 1000 us")
     assert targets[3] == "throughput >= 90% of nginx, workers the bottleneck"
@@ -545,6 +657,12 @@ def test_quick_harness_measures_the_router_and_nginx_when_installed(tmp_path: Pa
         assert router["paced_tool"] == "wrk"
         # The think time holds wrk under the rate asked (without it wrk would saturate).
         assert router["paced_rps"] <= 1.1 * router["paced_rate_asked"]
+        # The workers driven directly at the same rate: the machine's own p99 floor.
+        assert direct["paced_tool"] == "wrk" and direct["paced_errors"] == 0
+        assert direct["paced_rate_asked"] == router["paced_rate_asked"]
+        _positive(direct, "paced_rps", "paced_p50_us", "paced_p99_us")
+        assert direct["paced_rps"] <= 1.1 * direct["paced_rate_asked"]
+        assert "direct to the workers: " in data["targets"][2]["measured"]
     if peers:
         nginx = proxies["nginx"]
         assert nginx["status"] == "ok", nginx["reason"]
@@ -553,6 +671,7 @@ def test_quick_harness_measures_the_router_and_nginx_when_installed(tmp_path: Pa
         assert router["ratios"]["cpu"] > 0 and router["ratios"]["rps"] > 0
         assert router["ratios"]["bound_rps"] > 0
         assert len(router["cpu_ratio_rounds"]) == 2
+        assert len(nginx["added_p50_rounds"]) == 2
     assert "router" in done.stdout and "targets (router):" in done.stdout
 
 
