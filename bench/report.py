@@ -85,6 +85,10 @@ class Figures:
     added_p50_rounds: list[float] = field(default_factory=list)
     added_p99_rounds: list[float] = field(default_factory=list)
     added_ratio_rounds: list[float] = field(default_factory=list)  # to nginx's, round by round
+    # The proxy's CPU µs (user + system, /proc) per serial request, each round, and their
+    # median: what a lone request waits for the proxy to compute.
+    serial_cpu_rounds: list[float] = field(default_factory=list)
+    serial_cpu_us_per_request: float | None = None
     ratios: dict[str, float | None] = field(default_factory=dict)
 
 
@@ -303,6 +307,13 @@ def legend(settings: Mapping[str, Any], figures: Sequence[Figures]) -> list[str]
             lines += _wrapped("   CPU x nginx round by round: ", spread, ";")
         if added:
             lines += _wrapped("   serial added p50 x nginx round by round: ", added, ";")
+    serial_cpu = [
+        f"{f.name} {f.serial_cpu_us_per_request:.1f}"
+        for f in measured
+        if f.serial_cpu_us_per_request is not None
+    ]
+    if serial_cpu:
+        lines += _wrapped(" serial CPU us/req (user + system, while serial): ", serial_cpu, ";")
     if work_us > 0 and isinstance(workers, int):
         ceiling = workers * 1e6 / work_us
         lines += [

@@ -233,18 +233,26 @@ class Bench:
             load.closed_loop(port, self.requests_for(port), s.connections, s.load_s)
         )
 
-    def serial_round(self, port: int, figures: Figures) -> None:
-        """One round's serial latency: direct to the first worker, then through the proxy
-        on `port`; joins `figures`' rounds, and the serial columns become the medians."""
+    def serial_round(self, proxy: Child, figures: Figures) -> None:
+        """One round's serial latency: direct to the first worker, then through `proxy`;
+        joins `figures`' rounds, and the serial columns become the medians. The proxy's
+        CPU time over its serial requests (warm-up included) joins them too: at one
+        request at a time, the CPU a proxy spends per request is on every request's path."""
         direct = self.direct()
-        add_serial_round(figures, direct, self.serial(port))
+        before = proxy.cpu_seconds()
+        through = self.serial(proxy.port)
+        used = proxy.cpu_seconds() - before
+        add_serial_round(figures, direct, through)
+        sent = self.settings.serial_requests + self.settings.serial_warmup
+        figures.serial_cpu_rounds.append(used / sent * 1e6)
+        figures.serial_cpu_us_per_request = _median(figures.serial_cpu_rounds)
 
     def measure(self, name: str, proxy: Child) -> Figures:
         """Every figure of one proxy, already started on `proxy.port` (its first round)."""
         port = proxy.port
         check_routing(name, port, self.episodes)
         figures = Figures(name=name)
-        self.serial_round(port, figures)
+        self.serial_round(proxy, figures)
         figures.processes = len(proxy.pids())
         result = self.load_round(proxy, figures)
         figures.load_tool = result.tool
@@ -437,7 +445,7 @@ def _load_round(
             figures.reason = f"a later round did not start: {exc}"
             continue
         try:
-            bench.serial_round(proxy.port, figures)
+            bench.serial_round(proxy, figures)
             bench.load_round(proxy, figures)
         except _FAILURES as exc:
             figures.reason = f"a later round failed: {type(exc).__name__}: {exc}"

@@ -372,6 +372,11 @@ def test_added_latency_ratios_are_kept_round_by_round_and_the_legend_shows_them(
     assert "   serial added p50 x nginx round by round: router 1.10 1.35, haproxy 0.90 0.50;" in (
         lines
     )
+    assert not any("serial CPU" in line for line in lines)  # none measured
+    router.serial_cpu_us_per_request = 81.84
+    nginx.serial_cpu_us_per_request = 60.0
+    lines = legend({"rounds": 3}, [nginx, router, haproxy, floor])
+    assert " serial CPU us/req (user + system, while serial): nginx 60.0, router 81.8;" in lines
     data = json.loads(to_json(run))
     assert data["proxies"][1]["added_ratio_rounds"] == pytest.approx([1.1, 1.35])
     assert data["proxies"][1]["added_p50_rounds"] == [110.0, 108.0, 95.0]
@@ -642,6 +647,9 @@ def test_quick_harness_measures_the_router_and_nginx_when_installed(tmp_path: Pa
     assert len(router["serial_p50_rounds"]) == len(router["added_p50_rounds"]) == 2
     assert router["serial_p50_us"] == max(router["serial_p50_rounds"])
     assert router["added_p50_us"] == max(router["added_p50_rounds"])
+    assert len(router["serial_cpu_rounds"]) == 2
+    assert all(cpu > 0 for cpu in router["serial_cpu_rounds"])
+    assert router["serial_cpu_us_per_request"] == max(router["serial_cpu_rounds"])
     direct = proxies["direct"]
     _positive(direct, "serial_p50_us")
     targets = [t["target"] for t in data["targets"]]
