@@ -33,6 +33,7 @@ import uvloop
 from httptools import HttpRequestParser, HttpResponseParser
 
 from bench.episodes import mint_episodes
+from bench.launch import quiet_router_warnings
 from bench.load import build_request
 from router.client import ControlClient
 from router.config import AdminConfig, ControlConfig, ListenConfig, default_config
@@ -201,7 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for run in range(args.runs):
         profile = cProfile.Profile() if args.profile is not None and run == 0 else None
-        with tempfile.TemporaryDirectory(prefix="episode-router-hotpath-") as folder:
+        with (
+            tempfile.TemporaryDirectory(prefix="episode-router-hotpath-") as folder,
+            quiet_router_warnings(),
+        ):
             result = uvloop.run(
                 measure(args.requests, args.connections, Path(folder), profile, args.only)
             )

@@ -9,6 +9,7 @@ bound). It never touches a process it did not start.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import signal
@@ -16,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from bench.procstat import descendants, rss_bytes, tree_cpu_seconds
@@ -26,6 +27,7 @@ __all__ = [
     "Child",
     "StartFailure",
     "free_port",
+    "quiet_router_warnings",
     "raise_fd_limit",
     "start_child",
     "start_router",
@@ -40,6 +42,20 @@ _POLL_S = 0.05
 
 class StartFailure(RuntimeError):
     """A child process exited or did not serve in time; the message ends with its log tail."""
+
+
+@contextlib.contextmanager
+def quiet_router_warnings() -> Iterator[None]:
+    """Keeps an in-process router's warnings out of a benchmark's output meanwhile: its
+    benchmark worker leaves when the figures are in, and the router says "worker exited"
+    at warning level, a bare line among them. Errors still show."""
+    router_log = logging.getLogger("episode_router")
+    level = router_log.level
+    router_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        router_log.setLevel(level)
 
 
 def free_port() -> int:

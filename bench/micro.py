@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import gc
 import json
-import logging
 import os
 import random
 import sys
@@ -36,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.launch import free_port
+from bench.launch import free_port, quiet_router_warnings
 from bench.load import run_async
 from bench.peers import router_config
 from bench.procstat import rss_bytes
@@ -261,18 +260,13 @@ async def _control_in_process(pairs: int, folder: Path) -> tuple[float, int]:
     socket_path = folder / "control.sock"
     config = parse_config(router_config(free_port(), free_port(), socket_path))
     service = RouterService(config)
-    # The benchmark's worker leaves when it is done, and the router says "worker exited"
-    # at warning level: expected here, so kept out of the figures' output.
-    router_log = logging.getLogger("episode_router")
-    level = router_log.level
-    router_log.setLevel(logging.ERROR)
-    await service.start()
-    try:
-        async with asyncio.timeout(CONTROL_TIMEOUT_S):
-            return await _pipelined_pairs(str(socket_path), pairs, window=2000)
-    finally:
-        await service.stop()
-        router_log.setLevel(level)
+    with quiet_router_warnings():
+        await service.start()
+        try:
+            async with asyncio.timeout(CONTROL_TIMEOUT_S):
+                return await _pipelined_pairs(str(socket_path), pairs, window=2000)
+        finally:
+            await service.stop()
 
 
 def bench_control(pairs: int, full: bool) -> list[Figure]:

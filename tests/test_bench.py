@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
@@ -28,6 +29,7 @@ if str(ROOT) not in sys.path:
 
 from bench.episodes import balanced_tokens, mint_episodes  # noqa: E402
 from bench.floor import Floor, floor_protocol  # noqa: E402
+from bench.launch import quiet_router_warnings  # noqa: E402
 from bench.load import (  # noqa: E402
     LoadResult,
     ReplyParser,
@@ -221,6 +223,18 @@ def test_work_us_option_sets_the_worker_bound_run_or_turns_it_off() -> None:
     assert settings_from_args(build_parser().parse_args(["--work-us", "0"])).work_us == 0.0
     with pytest.raises(ValueError, match="--work-us must not be negative"):
         settings_from_args(build_parser().parse_args(["--work-us", "-1"]))
+
+
+def test_an_in_process_router_s_warnings_are_quieted_meanwhile_and_its_errors_are_not() -> None:
+    router_log = logging.getLogger("episode_router")
+    control_log = logging.getLogger("episode_router.control")
+    before = router_log.level
+    assert control_log.isEnabledFor(logging.WARNING)
+    with quiet_router_warnings():
+        assert not control_log.isEnabledFor(logging.WARNING)  # "worker exited"
+        assert control_log.isEnabledFor(logging.ERROR)
+    assert router_log.level == before
+    assert control_log.isEnabledFor(logging.WARNING)
 
 
 def test_proc_stat_is_read_past_a_command_name_with_spaces_and_parentheses() -> None:
