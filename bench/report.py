@@ -89,6 +89,9 @@ class Figures:
     # median: what a lone request waits for the proxy to compute.
     serial_cpu_rounds: list[float] = field(default_factory=list)
     serial_cpu_us_per_request: float | None = None
+    # The direct row's paced run: each worker's own p99. The p99 of all their requests
+    # together lies between the least and the greatest of them.
+    paced_p99_each: list[float] = field(default_factory=list)
     ratios: dict[str, float | None] = field(default_factory=dict)
 
 
@@ -150,6 +153,15 @@ def _round_ratios(mine: Sequence[float], theirs: Sequence[float]) -> list[float]
     return [m / t for m, t in zip(mine, theirs, strict=True) if t > 0]
 
 
+def _direct_p99_shown(direct: Figures) -> str:
+    """The workers' own paced p99: the range their p99s span (where the p99 of all their
+    requests lies), or the one figure known."""
+    each = direct.paced_p99_each
+    if len(each) > 1 and min(each) < max(each):
+        return f"{min(each):.0f}-{max(each):.0f} us (each worker's p99)"
+    return f"{direct.paced_p99_us:.0f} us"
+
+
 def _check(
     target: str, measured: float | None, shown: str, ok: bool, why: str = "nginx skipped"
 ) -> TargetCheck:
@@ -179,7 +191,7 @@ def check_targets(run: Run) -> list[TargetCheck]:
     direct = run.by_name(DIRECT)
     if half is not None and direct is not None and direct.paced_p99_us is not None:
         # The machine's own floor: the workers alone, paced directly at the same total rate.
-        paced += f"; direct to the workers: {direct.paced_p99_us:.0f} us"
+        paced += f"; direct to the workers: {_direct_p99_shown(direct)}"
     no_bound = "nginx skipped" if router.bound_rps is not None else "no worker-bound run"
     return [
         _check(

@@ -561,7 +561,8 @@ def add_direct_paced(figures: Figures, rate: float, results: Sequence[load.LoadR
     """The paced columns of the workers driven directly, each by its own generator, at
     once: `rate` in all. paced rps is the sum; p50 and p99 are the worst worker's, an upper
     bound on those of all the requests together (the p99 of a union of samples lies
-    between the samples' p99s). Latencies only when every worker answered something."""
+    between the samples' p99s, each kept in `paced_p99_each`). Latencies only when every
+    worker answered something."""
     figures.paced_rate_asked = rate
     figures.paced_tool = results[0].tool if results else None
     figures.paced_errors = sum(r.errors for r in results)
@@ -569,6 +570,7 @@ def add_direct_paced(figures: Figures, rate: float, results: Sequence[load.LoadR
         figures.paced_rps = sum(r.rps for r in results)
         figures.paced_p50_us = max(r.p50_us for r in results)
         figures.paced_p99_us = max(r.p99_us for r in results)
+        figures.paced_p99_each = [r.p99_us for r in results]
 
 
 def _settings_json(settings: Settings) -> dict[str, Any]:

@@ -466,8 +466,13 @@ def test_the_paced_target_shows_the_direct_floor_but_is_judged_on_the_router_alo
         "NOT met  p99 <= 1000 us at half of saturation: 1840 us at 3,205 rps (wrk);"
         " direct to the workers: 810 us" in format_table(run)
     )
+    # With each worker's p99 known, the line gives their range: the combined p99 is in it.
+    direct.paced_p99_each = [640.2, 810.4]
+    assert check_targets(run)[2].measured == (
+        "1840 us at 3,205 rps (wrk); direct to the workers: 640-810 us (each worker's p99)"
+    )
     # A direct floor above the bound does not fail a router under it.
-    router.paced_p99_us, direct.paced_p99_us = 900.0, 1200.0
+    router.paced_p99_us, direct.paced_p99_us, direct.paced_p99_each = 900.0, 1200.0, []
     assert check_targets(run)[2].met is True
     # No direct paced figure (its run failed): the line is the router's alone.
     direct.paced_p99_us = None
@@ -483,6 +488,7 @@ def test_direct_paced_sums_the_workers_rates_and_keeps_the_worst_latencies() -> 
     add_direct_paced(direct, 3200.0, results)
     assert (direct.paced_rps, direct.paced_rate_asked) == (pytest.approx(3180.0), 3200.0)
     assert (direct.paced_p50_us, direct.paced_p99_us) == (210.0, 870.0)
+    assert direct.paced_p99_each == [640.0, 870.0]
     assert (direct.paced_errors, direct.paced_tool) == (3, "wrk")
     starved = Figures(name="direct")
     add_direct_paced(starved, 3200.0, [results[0], LoadResult("bundled", 0, 16, 5.0, 0.0, 0.0)])
@@ -685,6 +691,8 @@ def test_quick_harness_measures_the_router_and_nginx_when_installed(tmp_path: Pa
         _positive(direct, "paced_rps", "paced_p50_us", "paced_p99_us")
         assert direct["paced_rps"] <= 1.1 * direct["paced_rate_asked"]
         assert "direct to the workers: " in data["targets"][2]["measured"]
+        assert len(direct["paced_p99_each"]) == 2
+        assert max(direct["paced_p99_each"]) == direct["paced_p99_us"]
     if peers:
         nginx = proxies["nginx"]
         assert nginx["status"] == "ok", nginx["reason"]
