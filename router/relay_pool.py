@@ -228,6 +228,16 @@ class WorkerConnection(asyncio.Protocol):
         finally:
             self._drain_waiter = None
 
+    def expect_reply(self, *, head_request: bool) -> None:
+        """Readies the reply for the request about to go (`head_request`: a HEAD). On a
+        connection whose loss was already reported (the worker closed it while it was
+        being handed over), the reply is broken at once, as `connection_lost` left it:
+        the request is not written, and its wait for a reply ends now, not at the
+        first-byte timeout."""
+        self.reply.begin(head_request=head_request)
+        if self.closed:
+            self.reply.feed_eof()
+
     def write(self, data: bytes) -> None:
         """Writes `data` unless the connection is closing (the reply then says why)."""
         write = self._transport_write

@@ -23,7 +23,7 @@ from router.relay_pool import (
     WorkerConnection,
     WorkerPool,
 )
-from router.relay_wire import parse_worker_address
+from router.relay_wire import CLOSED_BEFORE_REPLY, parse_worker_address
 
 pytestmark = pytest.mark.timeout(30)
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
@@ -94,6 +94,14 @@ async def eventually(check: object, within: float = 2.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def first_connection(worker: Worker) -> tuple[WorkerPool, WorkerConnection]:
+    """A fresh pool to `worker` and its first connection, held, once the worker has it."""
+    pool = make_pool(worker.url)
+    conn = await pool.acquire(soon())
+    await eventually(lambda: len(worker.peers) == 1)
+    return pool, conn
+
+
 async def exchange(conn: WorkerConnection, worker: Worker, index: int) -> None:
     """One complete exchange on `conn`: the worker answers OK on its `index`th peer."""
     conn.reply.begin(head_request=False)
@@ -118,9 +126,7 @@ async def test_a_released_connection_is_reused(worker: Worker) -> None:
 async def test_a_connection_whose_reply_cannot_go_on_is_closed_on_release(
     worker: Worker,
 ) -> None:
-    pool = make_pool(worker.url)
-    conn = await pool.acquire(soon())
-    await eventually(lambda: len(worker.peers) == 1)
+    pool, conn = await first_connection(worker)
     conn.reply.begin(head_request=False)
     worker.peers[0].writer.write(
         b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
@@ -191,9 +197,7 @@ async def test_an_idle_connection_the_worker_closes_leaves_the_pool(worker: Work
 
 
 async def test_bytes_from_an_idle_worker_spoil_the_connection(worker: Worker) -> None:
-    pool = make_pool(worker.url)
-    conn = await pool.acquire(soon())
-    await eventually(lambda: len(worker.peers) == 1)
+    pool, conn = await first_connection(worker)
     await exchange(conn, worker, 0)
     pool.release(conn)
     worker.peers[0].writer.write(OK)  # a reply nobody asked for
@@ -222,9 +226,7 @@ async def test_idle_connections_close_after_the_keepalive_bound(
 async def test_an_idle_connection_past_the_bound_is_never_handed_out(
     worker: Worker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pool = make_pool(worker.url)
-    conn = await pool.acquire(soon())
-    await eventually(lambda: len(worker.peers) == 1)
+    pool, conn = await first_connection(worker)
     await exchange(conn, worker, 0)
     pool.release(conn)
     monkeypatch.setattr(relay_pool, "KEEPALIVE_S", 0.0)  # as if the sweep were late
@@ -301,6 +303,35 @@ async def test_unix_socket_connection(tmp_path: Path) -> None:
         await worker.stop()
 
 
+async def test_a_connection_lost_while_handed_over_breaks_its_next_reply_at_once(
+    worker: Worker,
+) -> None:
+    pool = make_pool(worker.url)
+    conn = await pool.acquire(soon())  # held, as by an exchange about to write on it
+    await eventually(lambda: len(worker.peers) == 1)
+    worker.peers[0].writer.close()
+    await eventually(lambda: conn.closed)  # its connection_lost ran
+    conn.expect_reply(head_request=False)
+    # Broken as connection_lost left it, not wiped by the new exchange: the wait for the
+    # reply ends at once (and a kept-alive connection's request may be retried).
+    assert conn.reply.broken == CLOSED_BEFORE_REPLY
+    assert (conn.reply.head_done, conn.reply.received) == (False, 0)
+    conn.write(b"GET / HTTP/1.1\r\nHost: w\r\n\r\n")  # nothing to send it on: dropped
+    pool.close()
+
+
+async def test_expect_reply_readies_an_open_connection_for_the_next_reply(worker: Worker) -> None:
+    pool, conn = await first_connection(worker)
+    await exchange(conn, worker, 0)
+    conn.expect_reply(head_request=True)
+    assert (conn.reply.broken, conn.reply.complete, conn.reply.head_done) == (None, False, False)
+    worker.peers[0].writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")
+    while not conn.reply.complete:  # a HEAD reply ends at its head, whatever its length
+        assert await conn.wait(soon()) == WOKE
+    assert conn.reply.status == 200
+    pool.close()
+
+
 async def test_wait_times_out_and_can_be_interrupted(worker: Worker) -> None:
     pool = make_pool(worker.url)
     conn = await pool.acquire(soon())
@@ -314,9 +345,7 @@ async def test_wait_times_out_and_can_be_interrupted(worker: Worker) -> None:
 
 
 async def test_reading_pauses_while_a_large_body_is_not_taken(worker: Worker) -> None:
-    pool = make_pool(worker.url)
-    conn = await pool.acquire(soon())
-    await eventually(lambda: len(worker.peers) == 1)
+    pool, conn = await first_connection(worker)
     conn.reply.begin(head_request=False)
     size = 8 << 20
     writer = worker.peers[0].writer
