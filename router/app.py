@@ -131,8 +131,9 @@ class PublicHandler:
         exchange.kind = kind
         decision = self.core.route(kind, key, self._clock())
         if self.metrics is not None:
-            # Observed in _finish: the histogram is off the path to the worker's write
-            # (~800 instructions, callgrind on the router serving serial requests).
+            # Observed once the forward is under way (_decision_observed), not here: the
+            # histogram is then off the path to the worker's write (~800 instructions,
+            # callgrind on the router serving serial requests).
             exchange.decided = _perf_counter()
         if isinstance(decision, Answer):
             self._answer(exchange, decision)
@@ -149,6 +150,7 @@ class PublicHandler:
         decision: Forward,
         first: Awaitable[int | UpstreamFailure] | None = None,
     ) -> None:
+        self._decision_observed(exchange)
         try:
             await self._forward(exchange, decision, first)
         except BodyBroken as broken:
@@ -160,8 +162,7 @@ class PublicHandler:
         elapsed = _perf_counter() - exchange.started
         metrics = self.metrics
         if metrics is not None:
-            if exchange.decided:
-                metrics.decision_seconds(exchange.decided - exchange.started)
+            self._decision_observed(exchange)
             metrics.request_done(exchange.kind, exchange.outcome, exchange.status, elapsed)
         if self.access_log:
             request = exchange.request
@@ -177,6 +178,15 @@ class PublicHandler:
                     "client": request.remote,
                 },
             )
+
+    def _decision_observed(self, exchange: _Exchange) -> None:
+        """Observes how long routing `exchange` took, once: when it ends (an answer, a
+        reply relayed on the lane) or when its forward coroutine begins (a reply that
+        may stream for long is counted at its start)."""
+        decided = exchange.decided
+        if decided and self.metrics is not None:
+            exchange.decided = 0.0
+            self.metrics.decision_seconds(decided - exchange.started)
 
     def _refuse_early(self, request: PublicRequest) -> Answer | None:
         if self.shutting_down:

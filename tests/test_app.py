@@ -38,6 +38,7 @@ from router_fixtures import (
     token,
     wait_until,
 )
+from test_metrics import scrape, series
 
 from router import app as app_module
 from router.config import (
@@ -812,6 +813,42 @@ async def test_an_sse_event_reaches_the_client_before_the_next_is_sent(rig: Rig)
         second = await asyncio.wait_for(reply.content.readuntil(b"\n\n"), 5)
         assert second == b"data: second\n\n"
         assert await reply.content.read() == b""
+
+
+DECISIONS = "episode_router_decision_duration_seconds_count"
+
+
+async def test_each_routed_request_times_its_decision_once_and_a_stream_at_its_start(
+    rig: Rig,
+) -> None:
+    await rig.start_router()
+    worker = await rig.add_worker("w0")
+    await worker.claim("ep-a0")
+    metrics = rig.router.metrics
+    assert metrics is not None
+
+    def decisions() -> float:
+        return series(scrape(metrics), DECISIONS, nonzero=False)[""]
+
+    # Refused before routing (a malformed token): no decision to time.
+    refused = await rig.request("GET", "/tools/x", headers={TOKEN_HEADER: "not-a-token"})
+    assert refused.status == 401
+    assert decisions() == 0
+    # Routed and relayed whole (the relay's lane): one.
+    replied = await rig.request("GET", "/tools/x", headers={TOKEN_HEADER: token("ep")})
+    assert replied.status == 200
+    assert decisions() == 1
+    # Routed by the claim table to an answer of the router's own (an unknown episode): one.
+    unknown = await rig.request("GET", "/tools/x", headers={TOKEN_HEADER: token("nobody")})
+    assert unknown.status == 401
+    assert decisions() == 2
+    # A reply that streams is timed at its start, not when it ends.
+    async with rig.http.get(rig.url("/sse"), headers={TOKEN_HEADER: token("ep")}) as reply:
+        assert await asyncio.wait_for(reply.content.readuntil(b"\n\n"), 5) == b"data: first\n\n"
+        assert decisions() == 3
+        worker.sse_go.set()
+        await reply.content.read()
+    assert decisions() == 3
 
 
 async def test_a_streamed_chunked_body_over_the_limit_gets_413_and_never_completes(
