@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from bench.procstat import descendants, rss_bytes, tree_cpu_seconds
+from bench.procstat import descendants, rss_bytes, tree_cpu_seconds, tree_cpu_split_seconds
 
 __all__ = [
     "ROOT",
@@ -105,6 +105,10 @@ class Child:
     def cpu_seconds(self) -> float:
         """CPU time (user + system) used so far by it and its descendants."""
         return tree_cpu_seconds(self.pids())
+
+    def cpu_split_seconds(self) -> tuple[float, float]:
+        """User and system time used so far by it and its descendants."""
+        return tree_cpu_split_seconds(self.pids())
 
     def rss_bytes(self) -> int:
         """Resident memory of it and its descendants now."""

@@ -16,12 +16,14 @@ __all__ = [
     "CLOCK_TICKS",
     "ProcStat",
     "cpu_seconds",
+    "cpu_split_seconds",
     "descendants",
     "parse_stat",
     "parse_status_kib",
     "peak_rss_bytes",
     "rss_bytes",
     "tree_cpu_seconds",
+    "tree_cpu_split_seconds",
 ]
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # utime and stime are counted in these
@@ -88,6 +90,14 @@ def cpu_seconds(pid: int) -> float:
     return stat.cpu_seconds if stat is not None else 0.0
 
 
+def cpu_split_seconds(pid: int) -> tuple[float, float]:
+    """User and system time (all threads) the process has used; zeros when it is gone."""
+    stat = read_stat(pid)
+    if stat is None:
+        return 0.0, 0.0
+    return stat.utime_ticks / CLOCK_TICKS, stat.stime_ticks / CLOCK_TICKS
+
+
 def children_of(pid: int, stats: Iterable[ProcStat]) -> list[int]:
     """The pids among `stats` whose parent is `pid`."""
     return [stat.pid for stat in stats if stat.ppid == pid]
@@ -117,6 +127,12 @@ def descendants(pid: int) -> list[int]:
 def tree_cpu_seconds(pids: Iterable[int]) -> float:
     """The CPU time used by all of `pids`, summed."""
     return sum(cpu_seconds(pid) for pid in pids)
+
+
+def tree_cpu_split_seconds(pids: Iterable[int]) -> tuple[float, float]:
+    """The user and the system time used by all of `pids`, each summed."""
+    splits = [cpu_split_seconds(pid) for pid in pids]
+    return sum(user for user, _ in splits), sum(system for _, system in splits)
 
 
 def _status_kib(pid: int, field: str) -> int:

@@ -89,9 +89,14 @@ class Figures:
     # median: what a lone request waits for the proxy to compute.
     serial_cpu_rounds: list[float] = field(default_factory=list)
     serial_cpu_us_per_request: float | None = None
+    serial_user_rounds: list[float] = field(default_factory=list)  # its user part
+    serial_user_us_per_request: float | None = None
     # The direct row's paced run: each worker's own p99. The p99 of all their requests
     # together lies between the least and the greatest of them.
     paced_p99_each: list[float] = field(default_factory=list)
+    # The rounds (1-based) in which this proxy failed: its round lists then skip them, so
+    # they no longer pair with another proxy's round by round.
+    failed_rounds: list[int] = field(default_factory=list)
     ratios: dict[str, float | None] = field(default_factory=dict)
 
 
@@ -132,7 +137,7 @@ def fill_ratios(run: Run) -> None:
     for figures in run.figures:
         if figures.status != "ok" or figures.name == DIRECT:
             continue
-        if base is not None:
+        if base is not None and not figures.failed_rounds and not base.failed_rounds:
             figures.cpu_ratio_rounds = _round_ratios(figures.cpu_rounds, base.cpu_rounds)
             figures.added_ratio_rounds = _round_ratios(
                 figures.added_p50_rounds, base.added_p50_rounds
@@ -294,7 +299,7 @@ def legend(settings: Mapping[str, Any], figures: Sequence[Figures]) -> list[str]
     work_us = settings.get("work_us") or 0
     measured = [f for f in figures if f.status == "ok" and f.name != DIRECT]
     lines = [
-        "(latencies in microseconds; added = proxy p50 - direct-to-worker p50;",
+        "(latencies in microseconds; added = proxy p50 - the direct-to-worker p50 just before it;",
         f" rps: proxy-bound: {tool} at {connections} connections to trivial workers,"
         " how fast the proxy alone is;",
     ]
@@ -321,6 +326,11 @@ def legend(settings: Mapping[str, Any], figures: Sequence[Figures]) -> list[str]
             lines += _wrapped("   serial added p50 x nginx round by round: ", added, ";")
     serial_cpu = [
         f"{f.name} {f.serial_cpu_us_per_request:.1f}"
+        + (
+            f" ({f.serial_user_us_per_request:.1f} user)"
+            if f.serial_user_us_per_request is not None
+            else ""
+        )
         for f in measured
         if f.serial_cpu_us_per_request is not None
     ]

@@ -236,16 +236,21 @@ class Bench:
     def serial_round(self, proxy: Child, figures: Figures) -> None:
         """One round's serial latency: direct to the first worker, then through `proxy`;
         joins `figures`' rounds, and the serial columns become the medians. The proxy's
-        CPU time over its serial requests (warm-up included) joins them too: at one
-        request at a time, the CPU a proxy spends per request is on every request's path."""
+        CPU time over its serial requests (warm-up included) joins them too, all of it
+        and its user part: at one request at a time, the CPU a proxy spends per request
+        is mostly on every request's path (what it does after its last write is not)."""
         direct = self.direct()
-        before = proxy.cpu_seconds()
+        user_before, system_before = proxy.cpu_split_seconds()
         through = self.serial(proxy.port)
-        used = proxy.cpu_seconds() - before
+        user_after, system_after = proxy.cpu_split_seconds()
         add_serial_round(figures, direct, through)
-        sent = self.settings.serial_requests + self.settings.serial_warmup
-        figures.serial_cpu_rounds.append(used / sent * 1e6)
+        per_request = 1e6 / (self.settings.serial_requests + self.settings.serial_warmup)
+        user = (user_after - user_before) * per_request
+        system = (system_after - system_before) * per_request
+        figures.serial_cpu_rounds.append(user + system)
+        figures.serial_user_rounds.append(user)
         figures.serial_cpu_us_per_request = _median(figures.serial_cpu_rounds)
+        figures.serial_user_us_per_request = _median(figures.serial_user_rounds)
 
     def measure(self, name: str, proxy: Child) -> Figures:
         """Every figure of one proxy, already started on `proxy.port` (its first round)."""
@@ -431,7 +436,10 @@ def _measure_target(
 
 
 def _load_round(
-    bench: Bench, measured: Sequence[Figures], starts: Mapping[str, Callable[[bool], Child]]
+    bench: Bench,
+    measured: Sequence[Figures],
+    starts: Mapping[str, Callable[[bool], Child]],
+    round_number: int,
 ) -> None:
     """One more round of every proxy measured so far, in the same order: its serial
     latency (direct just before), then its proxy-bound load run, on one start of it."""
@@ -443,12 +451,14 @@ def _load_round(
             proxy = start(False)
         except (StartFailure, OSError) as exc:
             figures.reason = f"a later round did not start: {exc}"
+            figures.failed_rounds.append(round_number)
             continue
         try:
             bench.serial_round(proxy, figures)
             bench.load_round(proxy, figures)
         except _FAILURES as exc:
             figures.reason = f"a later round failed: {type(exc).__name__}: {exc}"
+            figures.failed_rounds.append(round_number)
         finally:
             if proxy is not bench.router:
                 proxy.stop()
@@ -504,7 +514,7 @@ def run_benchmark(settings: Settings, out: Path, say: Callable[[str], None] = pr
             run.figures.append(measured)
             for round_number in range(2, settings.rounds + 1):
                 say(f"round {round_number} of {settings.rounds}: serial, proxy-bound load ...")
-                _load_round(bench, run.figures, starts)
+                _load_round(bench, run.figures, starts, round_number)
             if settings.profile_s > 0:
                 say("profiling the router ...")
                 run.notes.append(bench.profile_router(out))

@@ -347,6 +347,22 @@ def test_cpu_ratios_are_kept_round_by_round_and_the_legend_shows_them() -> None:
     assert not any("round" in line for line in legend({"rounds": 1}, [nginx, router]))
 
 
+def test_rounds_are_not_paired_with_nginx_s_when_either_proxy_failed_one() -> None:
+    nginx = _figures("nginx", 20.0, 20000.0, 90.0, 900.0)
+    router = _figures("router", 50.0, 12000.0, 150.0, 1500.0)
+    # nginx failed round 2 and the router round 3: two rounds each, not the same two.
+    nginx.cpu_rounds, nginx.failed_rounds = [20.0, 25.0], [2]
+    router.cpu_rounds, router.failed_rounds = [50.0, 45.0], [3]
+    nginx.added_p50_rounds, router.added_p50_rounds = [100.0, 80.0], [120.0, 90.0]
+    run = Run(settings={}, machine={}, figures=[nginx, router])
+    fill_ratios(run)
+    assert (router.cpu_ratio_rounds, router.added_ratio_rounds) == ([], [])
+    assert router.ratios["cpu"] == pytest.approx(50.0 / 20.0)  # the medians still compare
+    router.failed_rounds = []  # only nginx failed one: still not paired
+    fill_ratios(run)
+    assert (router.cpu_ratio_rounds, router.added_ratio_rounds) == ([], [])
+
+
 def test_serial_figures_are_the_medians_of_the_rounds_added_of_each_rounds_difference() -> None:
     figures = Figures(name="router")
     add_serial_round(figures, (50.0, 90.0), (150.0, 400.0))
@@ -387,10 +403,13 @@ def test_added_latency_ratios_are_kept_round_by_round_and_the_legend_shows_them(
         lines
     )
     assert not any("serial CPU" in line for line in lines)  # none measured
-    router.serial_cpu_us_per_request = 81.84
+    router.serial_cpu_us_per_request, router.serial_user_us_per_request = 81.84, 33.06
     nginx.serial_cpu_us_per_request = 60.0
     lines = legend({"rounds": 3}, [nginx, router, haproxy, floor])
-    assert " serial CPU us/req (user + system, while serial): nginx 60.0, router 81.8;" in lines
+    assert (
+        " serial CPU us/req (user + system, while serial): nginx 60.0, router 81.8 (33.1 user);"
+        in lines
+    )
     data = json.loads(to_json(run))
     assert data["proxies"][1]["added_ratio_rounds"] == pytest.approx([1.1, 1.35])
     assert data["proxies"][1]["added_p50_rounds"] == [110.0, 108.0, 95.0]
@@ -535,7 +554,7 @@ def test_the_legend_says_which_rps_is_proxy_bound_and_which_worker_bound() -> No
     nginx.paced_tool, nginx.paced_rate_asked = "wrk", 4896.9
     settings = {"connections": 32, "workers": 2, "work_us": 400.0, "load_tool": "wrk"}
     assert legend(settings, [nginx]) == [
-        "(latencies in microseconds; added = proxy p50 - direct-to-worker p50;",
+        "(latencies in microseconds; added = proxy p50 - the direct-to-worker p50 just before it;",
         " rps: proxy-bound: wrk at 32 connections to trivial workers, how fast the proxy alone is;",
         " worker-bound rps: the same to 2 workers that spin 400 us per request (at most 5,000 rps",
         "   in all), so the workers are the bottleneck: the throughput target's figure;",
@@ -670,6 +689,11 @@ def test_quick_harness_measures_the_router_and_nginx_when_installed(tmp_path: Pa
     assert len(router["serial_cpu_rounds"]) == 2
     assert all(cpu > 0 for cpu in router["serial_cpu_rounds"])
     assert router["serial_cpu_us_per_request"] == max(router["serial_cpu_rounds"])
+    assert len(router["serial_user_rounds"]) == 2
+    assert all(
+        0 <= user <= cpu
+        for user, cpu in zip(router["serial_user_rounds"], router["serial_cpu_rounds"], strict=True)
+    )
     direct = proxies["direct"]
     _positive(direct, "serial_p50_us")
     targets = [t["target"] for t in data["targets"]]
