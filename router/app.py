@@ -131,9 +131,10 @@ class PublicHandler:
         exchange.kind = kind
         decision = self.core.route(kind, key, self._clock())
         if self.metrics is not None:
-            # Observed once the forward is under way (_decision_observed), not here: the
-            # histogram is then off the path to the worker's write (~800 instructions,
-            # callgrind on the router serving serial requests).
+            # Observed when the request ends or its forward coroutine begins
+            # (_decision_observed), not here: the histogram is then off the path to the
+            # worker's write (~800 instructions, callgrind on the router serving serial
+            # requests).
             exchange.decided = _perf_counter()
         if isinstance(decision, Answer):
             self._answer(exchange, decision)
