@@ -264,7 +264,6 @@ def keeps_every_reply_header(worker_headers: list[tuple[bytes, bytes]]) -> bool:
     if last.same(worker_headers):
         return last.flag
     names: list[bytes] = []
-    roles: list[int] = []
     every = True
     for pair in worker_headers:
         name = pair[0]
@@ -274,14 +273,13 @@ def keeps_every_reply_header(worker_headers: list[tuple[bytes, bytes]]) -> bool:
         if role != _REPLY_KEEP:
             every = False
         names.append(name)
-        roles.append(role)
-    last.keep(names, roles, every)
+    last.keep(names, [], every)  # only the flag is asked for again: no roles kept
     return every
 
 
 class LastNames:
-    """The header names of the last message whose roles were worked out, the roles, and
-    one flag about them (the caller's).
+    """The header names of the last message whose roles were worked out, the roles (when
+    the caller reads them again), and one flag about them (the caller's).
 
     A worker's replies and a client's requests carry the same names in the same order,
     message after message: the last message's names are compared, name by name, before
