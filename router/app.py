@@ -101,8 +101,13 @@ class PublicHandler:
         return None
 
     async def _session_from_body(self, exchange: _Exchange) -> None:
+        request = exchange.request
+        if request.expect_continue and not request.body_complete:
+            # The session is in the body: a client that waits for this before sending it
+            # would otherwise stall until its own expect timeout.
+            request.client.send_continue()
         try:
-            exchange.body = await exchange.request.read()
+            exchange.body = await request.read()
         except BodyBroken as broken:
             exchange.body_broke(broken)
             self._finish(exchange)

@@ -239,6 +239,7 @@ class EdgeConnection(asyncio.Protocol):
         "_replied",
         "_reply_keep_alive",
         "_server",
+        "_stalled_bytes",
         "_stopped",
         "_task",
         "_te_seen",
@@ -246,6 +247,7 @@ class EdgeConnection(asyncio.Protocol):
         "_timer",
         "_timer_when",
         "_transport_write",
+        "_upgrade_seen",
         "_url",
         "_write_paused",
         "transport",
@@ -273,9 +275,11 @@ class EdgeConnection(asyncio.Protocol):
         self._local_host = ""
         # The head being parsed.
         self._in_head = False
-        # Heads begun (on_url) and messages ended: a read that moved neither may be
-        # the start of a request line (data_received).
+        # Heads begun (on_url), fields and body bytes that came out, messages ended: a
+        # read that moved none may be the start of a request line, or inside one field
+        # (data_received).
         self._parse_events = 0
+        self._stalled_bytes = 0  # read since anything last came out (_note_stalled)
         self._url = b""
         # The header pairs as llhttp gave them, bytes: decoded only when something asks
         # for text (see PublicRequest.header_list).
@@ -341,6 +345,10 @@ class EdgeConnection(asyncio.Protocol):
             return
         events = self._parse_events
         self._feed(data)
+        if events != self._parse_events or self._stopped:
+            self._stalled_bytes = 0
+        elif self._in_head or self._receiving is not None:
+            self._note_stalled(len(data))
         if self._queue and not self._busy:
             self._dispatch()
         if self._stopped or self._deadline_kind == _HEAD:
@@ -355,6 +363,18 @@ class EdgeConnection(asyncio.Protocol):
             # request line (llhttp calls back from its target on). The head's clock
             # starts now, and runs on past the request being handled (_dispatch).
             self._set_deadline(self._time() + self._head_timeout_s(), _HEAD)
+
+    def _note_stalled(self, size: int) -> None:
+        """A read that delivered nothing (no head began, no field or body bytes came out,
+        no message ended): llhttp is inside one header field, trailer or request line,
+        whose bytes httptools gathers until the field ends. Past the bound a whole field
+        may take, the request is refused, instead of held in memory until the head's
+        clock runs out. A read in which something came out restarts the count, so the
+        gathered bytes stay under the bound plus one read."""
+        self._stalled_bytes += size
+        limits = self._limits
+        if self._stalled_bytes > limits.max_line_bytes + limits.max_header_bytes + 4:
+            self._parse_failed(HeadRefusal.FIELD_TOO_LONG, "a header field is over the limit")
 
     def _head_timeout_s(self) -> float:
         # The idle bound covers a connection on which no request is being handled, a
@@ -428,6 +448,7 @@ class EdgeConnection(asyncio.Protocol):
         self._length_text: bytes | None = None
         self._host: str | None = None
         self._expect: bytes | None = None
+        self._upgrade_seen = False
 
     def on_url(self, url: bytes) -> None:
         if not self._in_head:
@@ -444,6 +465,7 @@ class EdgeConnection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self._in_head:
+            self._parse_events += 1  # a trailer field came out (the stall count)
             return  # a trailer of a chunked body: dropped, never a header
         limits = self._limits
         if len(name) + len(value) + 2 > limits.max_header_bytes:
@@ -452,6 +474,7 @@ class EdgeConnection(asyncio.Protocol):
         if len(self._headers) >= limits.max_headers:
             self._refusal_kind = HeadRefusal.TOO_MANY_HEADERS
             raise _HeadLimit
+        self._parse_events += 1  # a field came out (data_received's stall count)
         # Kept as the bytes llhttp gave (only token characters in a name, no CR or LF in a
         # value): the worker's head is built from them, and text is decoded only for the
         # few headers the router reads.
@@ -482,10 +505,15 @@ class EdgeConnection(asyncio.Protocol):
                 self._connection_seen = True  # llhttp reads both
         elif size == 6 and self._expect is None and name.lower() == b"expect":
             self._expect = value
+        elif size == 7 and name.lower() == b"upgrade":
+            self._upgrade_seen = True
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        if self._deadline_kind == _HEAD:
+        kind = self._deadline_kind
+        if kind in (_HEAD, _IDLE):
+            # Either clock stops for a request being handled: the idle one may still
+            # run from the last reply when this head came whole in one read.
             self._set_deadline(None, 0)
         parser = self._parser
         chunked = self._te_seen
@@ -495,6 +523,18 @@ class EdgeConnection(asyncio.Protocol):
             content_length_number(length_text) if length_text is not None and not chunked else None
         )
         body = RequestBody(self, self._loop) if chunked or (content_length or 0) > 0 else None
+        method = _method_text(self._method_of())
+        if (
+            body is not None
+            and (self._upgrade_seen or method == "CONNECT")
+            and parser.should_upgrade()
+        ):
+            # llhttp hands what follows an upgrade's head (Connection: upgrade, or
+            # CONNECT) over as the new protocol's bytes, never as this request's body:
+            # the body would be parsed as the next request, one smuggled in the other.
+            # The router tunnels no protocol, so such a request is refused.
+            self._refusal_kind = HeadRefusal.UPGRADE_WITH_BODY
+            raise _HeadLimit
         keep_alive = self._keeps_alive()
         if keep_alive and not self._connection_seen:
             # Only HTTP/1.1 is kept alive with no Connection header (llhttp takes 0.9,
@@ -508,7 +548,7 @@ class EdgeConnection(asyncio.Protocol):
             version = _VERSIONS.get(version_text) or _version(version_text)
         target, authority = _target_of(self._url)
         request = PublicRequest(
-            _method_text(self._method_of()),
+            method,
             target,
             version,
             remote=self._remote,
@@ -535,6 +575,7 @@ class EdgeConnection(asyncio.Protocol):
             self._update_reading()
 
     def on_body(self, body: bytes) -> None:
+        self._parse_events += 1  # body bytes came out (the stall count)
         receiving = self._receiving
         if receiving is not None and receiving.body is not None:
             receiving.body.feed(body)
@@ -548,11 +589,11 @@ class EdgeConnection(asyncio.Protocol):
 
     def _parse_failed(self, kind: HeadRefusal, error: str) -> None:
         self._stopped = True
-        self._closing = True
         self._set_deadline(None, 0)
         receiving = self._receiving
         if receiving is not None and receiving.body is not None and not self._in_head:
             # The head was fine and handed on; its body is not: that request fails.
+            self._closing = True
             receiving.body.fail(f"the request body is malformed: {error}", malformed=True)
             self._receiving = None
             log.debug("refused a malformed request body", extra={"error": error[:120]})
@@ -562,7 +603,9 @@ class EdgeConnection(asyncio.Protocol):
         if not self._busy and not self._queue:
             self._write_answer_and_close(answer)
         else:
-            self._refusal = answer  # answered in order, after the requests before it
+            # Answered in order, after the requests before it, whose replies keep the
+            # connection open for it (_dispatch writes it once the queue is empty).
+            self._refusal = answer
 
     # --- flow control -----------------------------------------------------------------
 
@@ -685,10 +728,20 @@ class EdgeConnection(asyncio.Protocol):
         """Closes once a reply said `Connection: close`; lingers when the client may
         still be sending the body of the request it was an answer to."""
         self._stopped = True
+        if request.body_complete:
+            self._close()
+        else:
+            self._linger()
+
+    def _linger(self) -> None:
+        """Shuts the sending side after the answer written, and reads (and drops) what
+        the client still sends for a while: closing with unread bytes would reset the
+        connection, and the client could lose the answer."""
+        self._stopped = True
         transport = self.transport
         if transport is None or self._lost:
             return
-        if request.body_complete or not transport.can_write_eof():
+        if not transport.can_write_eof():
             self._close()
             return
         transport.write_eof()  # the answer is all the client gets; it may stop sending
@@ -910,4 +963,6 @@ class EdgeConnection(asyncio.Protocol):
         status, headers, body = render(answer)
         self._write(answer_head(status, headers, len(body), keep_alive=False) + body)
         self._refusal = None
-        self._close()
+        # The client may still be sending the rest of the refused head, or requests after
+        # it: it reads the answer rather than a reset.
+        self._linger()

@@ -50,6 +50,7 @@ class HeadRefusal(enum.Enum):
     LINE_TOO_LONG = "line_too_long"
     FIELD_TOO_LONG = "field_too_long"
     TOO_MANY_HEADERS = "too_many_headers"
+    UPGRADE_WITH_BODY = "upgrade_with_body"
 
 
 def head_refusal_answer(refusal: HeadRefusal, parser_error: str = "") -> Answer:
@@ -60,6 +61,11 @@ def head_refusal_answer(refusal: HeadRefusal, parser_error: str = "") -> Answer:
         return Answer("headers_too_large", "A request header is over the router's limit.")
     if refusal is HeadRefusal.TOO_MANY_HEADERS:
         return Answer("headers_too_large", "The request has more headers than the router allows.")
+    if refusal is HeadRefusal.UPGRADE_WITH_BODY:
+        return Answer(
+            "bad_request",
+            "An Upgrade or CONNECT request with a body is not served: no protocol is tunnelled.",
+        )
     text = parser_error.strip().rstrip(".")
     detail = f"The request is malformed: {text[:120]}." if text else "The request is malformed."
     return Answer("bad_request", detail)

@@ -42,6 +42,7 @@ from test_metrics import scrape, series
 
 from router import app as app_module
 from router.config import (
+    BodyFieldConfig,
     LimitsConfig,
     LogConfig,
     SessionKindConfig,
@@ -594,6 +595,29 @@ async def test_a_forwarded_request_gets_100_continue_then_its_body_goes_through(
     echoed = json.loads(body)
     assert (echoed["worker"], echoed["body_bytes"]) == ("w0", 5)
     assert "expect" not in {name.lower() for name, _ in echoed["headers"]}
+
+
+async def test_a_body_read_for_its_session_gets_100_continue_first(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # The session is in the body: a client that waits for 100 Continue before sending
+    # it must get one, or it stalls until its own expect timeout.
+    kind = SessionKindConfig("sid", body_field=BodyFieldConfig("/session_id"), unclaimed="forward")
+    router = await rig.start_router(router_config(tmp_path, sessions=(kind,)))
+    await rig.add_worker("w0")
+    body = b'{"session_id": "s1"}'
+    conn = await RawHttp.open(router.public_port)
+    try:
+        headers = [("Content-Type", "application/json"), ("Expect", "100-continue")]
+        conn.send(_head("POST", "/tool", router.public_port, headers, len(body)))
+        status, _, raw = await conn.read_head()
+        assert (status, raw) == (100, b"HTTP/1.1 100 Continue\r\n\r\n")
+        conn.send(body)
+        status, _, reply = await conn.read_reply()
+    finally:
+        conn.close()
+    assert status == 200
+    assert json.loads(reply)["body_bytes"] == len(body)
 
 
 @pytest.mark.parametrize("body_with_head", [True, False], ids=["with-head", "after-answer"])

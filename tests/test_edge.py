@@ -60,14 +60,12 @@ def limits(**fields: float) -> LimitsConfig:
 
 
 async def a_connection(
-    rig: Rig, tmp_path: Path, *, header_timeout_s: float
+    rig: Rig, tmp_path: Path, *, header_timeout_s: float = 10.0, **fields: float
 ) -> tuple[RawHttp, EchoWorker]:
-    """A client connection to a router with this head timeout (idle: 30 s) and one
-    worker, w0."""
-    config = router_config(
-        tmp_path, limits=limits(header_timeout_s=header_timeout_s, idle_timeout_s=30.0)
-    )
-    await rig.start_router(config)
+    """A client connection to a router with this head timeout (idle: 30 s), other
+    `limits` as `fields` say, and one worker, w0."""
+    bounds = limits(header_timeout_s=header_timeout_s, **{"idle_timeout_s": 30.0, **fields})
+    await rig.start_router(router_config(tmp_path, limits=bounds))
     worker = await rig.add_worker("w0")
     return await RawHttp.open(rig.router.public_port), worker
 
@@ -292,3 +290,111 @@ async def test_each_request_has_the_method_and_target_it_was_sent_with() -> None
         ("PATCH", "/run?x=1", "a.example:81", "a.example:81"),
         ("MKCOL", "/run?x=1", None, "h"),
     ]
+
+
+# --- hostile or unlucky timing ----------------------------------------------------------------
+
+
+async def test_a_request_late_in_the_idle_window_is_not_cut_by_the_idle_timeout(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # The idle clock starts after the first reply; the second request comes whole in one
+    # read before it runs out, and is still being handled when it would have.
+    conn, worker = await a_connection(rig, tmp_path, header_timeout_s=5.0, idle_timeout_s=0.5)
+    try:
+        assert await status_of(conn, b"GET /one HTTP/1.1\r\nHost: x\r\n\r\n") == 200
+        await asyncio.sleep(0.3)
+        conn.send(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.sleep(0.6)  # past the idle deadline, the worker still parked
+        assert worker.parked == 1
+        assert await status_once_released(conn, worker) == 200
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    ("head", "body"),
+    [
+        (
+            b"POST /up HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+            b"Content-Length: 36\r\n\r\n",
+            b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n",
+        ),
+        (
+            b"POST /up HTTP/1.1\r\nHost: x\r\nConnection: upgrade\r\nUpgrade: h2c\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n",
+            b"5\r\nhello\r\n0\r\n\r\n",
+        ),
+    ],
+)
+async def test_an_upgrade_request_with_a_body_is_refused_not_split_in_two(
+    rig: Rig, tmp_path: Path, head: bytes, body: bytes
+) -> None:
+    # llhttp hands what follows an upgrade's head over as another protocol's bytes: read
+    # as HTTP, the body would be the next request.
+    conn, worker = await a_connection(rig, tmp_path)
+    try:
+        conn.send(head + body)
+        status, _, answer = await conn.read_reply()
+        assert status == 400
+        assert b'"bad_request"' in answer and b"Upgrade" in answer
+        assert await conn.read_to_end() == b""
+    finally:
+        conn.close()
+    assert worker.paths_seen() == []
+
+
+async def test_an_upgrade_request_without_a_body_is_served_as_plain_http(
+    rig: Rig, tmp_path: Path
+) -> None:
+    conn, worker = await a_connection(rig, tmp_path)
+    try:
+        request = (
+            b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+        )
+        assert await status_of(conn, request) == 200
+    finally:
+        conn.close()
+    assert worker.paths_seen() == ["/ws"]
+
+
+async def test_a_header_field_that_never_ends_is_refused_past_the_limit(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # httptools gathers a field's bytes until its line ends: the edge refuses the head
+    # once reads that delivered nothing pass what one field may take, well before the
+    # head timeout, and reads (and drops) what follows so the client gets the answer.
+    conn, worker = await a_connection(
+        rig, tmp_path, header_timeout_s=30.0, max_header_bytes=1024, max_line_bytes=1024
+    )
+    try:
+        conn.send(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        for _ in range(8):  # 32 KiB in reads of their own, no line end
+            await asyncio.sleep(0.02)
+            conn.send(b"a" * 4096)
+        status, _, answer = await asyncio.wait_for(conn.read_reply(), 5)
+        assert status == 431
+        assert b'"headers_too_large"' in answer
+    finally:
+        conn.close()
+    assert worker.paths_seen() == []
+
+
+async def test_a_bad_head_behind_pipelined_requests_is_answered_after_them(
+    rig: Rig, tmp_path: Path
+) -> None:
+    conn, worker = await a_connection(rig, tmp_path)
+    try:
+        conn.send(
+            b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"GET /c HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n"
+        )
+        replies = [await conn.read_reply() for _ in range(3)]
+        assert await conn.read_to_end() == b""
+    finally:
+        conn.close()
+    assert [status for status, _, _ in replies] == [200, 200, 400]
+    # The two replies before the refusal keep the connection open for it.
+    assert [headers.get("connection") for _, headers, _ in replies] == [None, None, "close"]
+    assert worker.paths_seen() == ["/a", "/b"]
