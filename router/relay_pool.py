@@ -238,6 +238,12 @@ class WorkerConnection(asyncio.Protocol):
         if self.closed:
             self.reply.feed_eof()
 
+    @property
+    def closing(self) -> bool:
+        """The transport is closing or gone (the worker may have closed it, with its
+        `connection_lost` still to come)."""
+        return self._transport_closing()
+
     def write(self, data: bytes) -> None:
         """Writes `data` unless the connection is closing (the reply then says why)."""
         write = self._transport_write
@@ -480,6 +486,10 @@ class WorkerPool:
             timer.cancel()
         if conn is None:  # a place freed up and is ours: connect in it
             return await self._open(deadline)
+        if conn.closed or conn.closing:
+            # The worker closed it after it was handed over, before this turn came:
+            # nothing was written on it, so any request may go on a fresh one.
+            return await self.reopen(conn, deadline)
         return conn
 
     def _give_back(self, waiter: asyncio.Future[WorkerConnection | None]) -> None:

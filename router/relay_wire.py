@@ -600,7 +600,10 @@ class ReplyParser:
                 self.content_length = content_length_number(value)
         elif size == 17:
             if name.lower() == b"transfer-encoding":
-                self._transfer_encoding = value.decode("utf-8", "surrogateescape")
+                coding = value.decode("utf-8", "surrogateescape")
+                before = self._transfer_encoding  # repeats make one list (RFC 9110 §5.3)
+                self._transfer_encoding = coding if before is None else f"{before}, {coding}"
+
         elif size == 4 and (name == b"Date" or name == b"date" or name.lower() == b"date"):
             self.has_date = True
         self.raw_headers.append((name, value))
@@ -613,6 +616,11 @@ class ReplyParser:
             self.broken = SWITCHED
             raise ValueError(SWITCHED)
         if status < 200:
+            if status < 100:
+                # llhttp takes any three digits; below 100 there is no such reply (as a
+                # final one, the client would be sent what HTTP has no meaning for).
+                self.broken = f"invalid reply: status {status}"
+                raise ValueError(self.broken)
             # An interim reply (100 Continue, 103 Early Hints) is never relayed: the
             # router already answered Expect itself, and the final head follows.
             self._interim = True
@@ -622,6 +630,13 @@ class ReplyParser:
             self.has_date = False
             self._transfer_encoding = None
             return
+        coding = self._transfer_encoding
+        if coding is not None and coding.strip().lower() != "chunked":
+            # Transfer-Encoding is hop-by-hop: the router takes chunked off and frames the
+            # body itself, so any other coding (gzip, or gzip then chunked) would reach
+            # the client undone and unnamed. Refused as nginx does (502).
+            self.broken = "invalid reply: a transfer coding other than chunked"
+            raise ValueError(self.broken)
         self.status = status
         self.head_done = True
         if self._head_request:

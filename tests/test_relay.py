@@ -7,6 +7,7 @@ loopback; clients are raw sockets where bytes matter.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 
@@ -96,8 +97,8 @@ async def stack() -> AsyncIterator[AsyncExitStack]:
         yield resources
 
 
-async def start_router(stack: AsyncExitStack, upstream: Upstream) -> Router:
-    forwarder = Forwarder(TIMEOUTS)
+async def start_router(stack: AsyncExitStack, upstream: Upstream, pool_size: int = 256) -> Router:
+    forwarder = Forwarder(TIMEOUTS, pool_size_per_upstream=pool_size)
     stack.push_async_callback(forwarder.close)
     router = Router(forwarder, upstream)
     edge = EdgeServer(router.handle, EdgeLimits(), asyncio.get_running_loop())
@@ -412,3 +413,70 @@ async def test_a_runaway_reply_head_is_an_error(stack: AsyncExitStack) -> None:
     assert status_and_body(reply[0])[0] == b"HTTP/1.1 502 Bad Gateway"
     [failure] = router.failures
     assert failure.detail == "invalid reply: a reply head over 256 KiB"
+
+
+@pytest.mark.parametrize(
+    ("reply", "detail"),
+    [
+        (b"HTTP/1.1 099 Odd\r\nContent-Length: 2\r\n\r\nok", "invalid reply: status 99"),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nConnection: close\r\n\r\n\x1f\x8b",
+            "invalid reply: a transfer coding other than chunked",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+            b"2\r\n\x1f\x8b\r\n0\r\n\r\n",
+            "invalid reply: a transfer coding other than chunked",
+        ),
+        (  # two fields make one list: gzip, then chunked
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"2\r\n\x1f\x8b\r\n0\r\n\r\n",
+            "invalid reply: a transfer coding other than chunked",
+        ),
+    ],
+    ids=["status-below-100", "gzip", "gzip-chunked", "gzip-chunked-in-two-fields"],
+)
+async def test_a_reply_the_client_could_not_read_as_meant_is_an_error_at_once(
+    stack: AsyncExitStack, reply: bytes, detail: str
+) -> None:
+    # A coding the router would take off with chunked, or a status with no meaning,
+    # is a 502 as soon as the head is in: never relayed, never waited on as interim.
+    router = await router_to_a_worker_answering(stack, [reply])
+    started = time.monotonic()
+    [answer] = await exchange(router.port, b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
+    assert time.monotonic() - started < TIMEOUTS.first_byte_s
+    assert status_and_body(answer)[0] == b"HTTP/1.1 502 Bad Gateway"
+    [failure] = router.failures
+    assert (failure.kind, failure.detail) == ("error", detail)
+
+
+async def test_a_waiting_request_handed_a_connection_the_worker_closed_goes_on_a_fresh_one(
+    stack: AsyncExitStack,
+) -> None:
+    # One connection in the pool: the POST waits for it while the GET holds it. The
+    # worker replies to the GET (keep-alive) and closes at once: the connection is
+    # handed to the POST before its end is read. Nothing was written on it, so the POST
+    # (which is never retried once sent) goes on a new connection instead.
+    ref: list[ScriptedWorker] = []
+
+    async def reply_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await ref[0].request(reader)
+        await asyncio.sleep(0.3)  # the POST is in line by now
+        writer.write(OK)
+
+    worker = ScriptedWorker(reply_then_close, answering(ref, [OK]))
+    ref.append(worker)
+    router = await start_router(stack, await worker.start(stack), pool_size=1)
+    port = router.port
+
+    first = asyncio.create_task(exchange(port, b"GET /a HTTP/1.1\r\nHost: h\r\n\r\n"))
+    await asyncio.sleep(0.1)
+    second = await exchange(port, b"POST /b HTTP/1.1\r\nHost: h\r\nContent-Length: 1\r\n\r\nx")
+    assert status_and_body((await first)[0]) == (b"HTTP/1.1 200 OK", b"ok")
+    assert status_and_body(second[0]) == (b"HTTP/1.1 200 OK", b"ok")
+    assert router.failures == []
+    assert [head.split(b"\r\n")[0] for head in worker.requests] == [
+        b"GET /a HTTP/1.1",
+        b"POST /b HTTP/1.1",
+    ]
+    assert worker.connections == 2
