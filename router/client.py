@@ -121,6 +121,13 @@ class _Request:
         self.sent_at: float | None = None  # loop time of the write on the current connection
 
 
+def _count(value: object) -> int:
+    """A non-negative count from a reply field (0 when absent or not a count)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return 0
+
+
 def _mark_retrieved(future: asyncio.Future[Any]) -> None:
     """Marks a future's exception as seen: an abandoned call never logs "never retrieved"."""
     if not future.cancelled():
@@ -456,20 +463,38 @@ class ControlClient:
                 claims.add(pair)
             elif message["op"] == "release":
                 claims.discard(pair)
-        replies = await asyncio.gather(
-            *(self._send_internal(message) for message in sync_messages(claims))
-        )
-        for reply in replies:
-            self._drop_refused(reply.get("refused"))
+        while True:
+            replies = await asyncio.gather(
+                *(self._send_internal(message) for message in sync_messages(claims))
+            )
+            refused: set[tuple[str, str]] = set()
+            omitted = 0
+            for reply in replies:
+                refused |= self._drop_refused(reply.get("refused"))
+                omitted += _count(reply.get("refused_omitted"))
+            if not omitted:
+                return
+            if not refused & claims:
+                log.warning("sync: %d refusals were not listed and none were", omitted)
+                return
+            # The router lists only the refusals that fit in one reply line. Declaring the
+            # set again without the ones it named makes it name the next ones; each round
+            # is smaller, so this ends.
+            log.warning("sync: %d refusals not listed; syncing again to learn them", omitted)
+            claims -= refused
 
-    def _drop_refused(self, refused: object) -> None:
+    def _drop_refused(self, refused: object) -> set[tuple[str, str]]:
+        """Forget the claims a sync reply refused; returns them."""
+        dropped: set[tuple[str, str]] = set()
         if not isinstance(refused, list):
-            return
+            return dropped
         for item in refused:
             if isinstance(item, dict):
                 pair = (str(item.get("kind", "episode")), str(item.get("key")))
                 self._held.discard(pair)
+                dropped.add(pair)
                 log.warning("sync refused %s %s: %s", pair[0], pair[1], item.get("error"))
+        return dropped
 
     async def _read_replies(self, reader: asyncio.StreamReader) -> None:
         """Match each reply line to its request until the connection ends."""

@@ -161,8 +161,9 @@ class ControlSession:
         self.policy = policy
         self.peer = peer
         self.worker: Worker | None = None
+        # The claims of a sync that spans several messages, until its last one. Each
+        # message's malformed entries are answered in its own reply, never kept here.
         self._sync_pending: set[tuple[str, str]] | None = None
-        self._sync_refused: list[Reply] = []
 
     def handle(self, request: dict[str, Any], now: float) -> Reply:
         """Apply one decoded request and return its reply."""
@@ -250,6 +251,7 @@ class ControlSession:
         worker = self.core.register(worker_id, url, self._origin(existing), now, boot)
         self.worker = worker
         worker.lease = self
+        self._sync_pending = None  # a sync left unfinished before this hello is void
         return {"id": rid, "ok": True, "router": self.policy.router_boot}
 
     def _hello_refusal(
@@ -274,13 +276,14 @@ class ControlSession:
         for holder in self.core.workers:
             if holder.url == url and holder.id != worker_id and holder.state is WorkerState.LIVE:
                 return "worker_busy", f"Another live worker ({holder.id}) has this url."
+        # This connection's own lease too: a second hello on it with another boot or url
+        # would retire the worker it speaks for (and close this very connection).
         existing = self.core.workers.get(worker_id)
         if (
             existing is not None
             and existing.state is WorkerState.LIVE
             and existing.origin is not WorkerOrigin.STATIC
             and (existing.boot != boot or existing.url != url)
-            and self.worker is not existing
         ):
             return "worker_busy", "A live worker with this id holds the lease."
         return None
@@ -329,25 +332,32 @@ class ControlSession:
         if not isinstance(entries, list) or not isinstance(more, bool):
             return error_reply(rid, "bad_request", "`claims` must be a list, `more` a boolean.")
         pending = self._sync_pending if self._sync_pending is not None else set()
+        # Refusals go in this message's reply, as many as fit in one line: a peer
+        # cannot grow what the router keeps, nor make a reply it cannot read.
+        refusals = _Refusals(rid)
         for entry in entries:
             parsed = self._kind_and_key(entry) if isinstance(entry, dict) else None
             if isinstance(parsed, tuple):
                 pending.add(parsed)
+            elif refusals.full:
+                refusals.omitted += 1
             else:
-                self._sync_refused.append(_refused_entry(entry, parsed))
+                refusals.add(_refused_entry(entry, parsed))
         if len(pending) > SYNC_MAX_PENDING:
-            self._sync_pending, self._sync_refused = None, []
+            self._sync_pending = None
             return error_reply(rid, "bad_request", "The sync lists too many claims.")
         if more:
             self._sync_pending = pending
-            return {"id": rid, "ok": True, "accepted": 0, "refused": [], "more": True}
+            return refusals.reply(rid, 0, more=True)
+        self._sync_pending = None
         assert self.worker is not None
         result = self.core.sync(self.worker, pending, now)
-        refused = self._sync_refused + [
-            {"kind": kind, "key": key, "error": why.error} for kind, key, why in result.refused
-        ]
-        self._sync_pending, self._sync_refused = None, []
-        return {"id": rid, "ok": True, "accepted": result.accepted, "refused": refused}
+        for listed, (kind, key, why) in enumerate(result.refused):
+            if refusals.full:  # the rest are only counted
+                refusals.omitted += len(result.refused) - listed
+                break
+            refusals.add({"kind": kind, "key": key, "error": why.error})
+        return refusals.reply(rid, result.accepted, more=False)
 
     # -- the rest --------------------------------------------------------------
 
@@ -361,6 +371,7 @@ class ControlSession:
 
     def _bye(self, request: dict[str, Any], now: float) -> Reply:
         worker, self.worker = self.worker, None
+        self._sync_pending = None
         assert worker is not None
         worker.lease = None
         self.core.retire(worker, now)
@@ -398,9 +409,56 @@ def _not_holder(request_id: object) -> Reply:
 
 
 def _refused_entry(entry: object, error: Reply | None) -> Reply:
+    """The refusal of a malformed sync entry. Its kind and key are echoed only when
+    they are strings a claim could carry, so that every refusal stays small."""
+    kind: object = None
+    key: object = None
     if isinstance(entry, dict):
         kind, key = entry.get("kind", "episode"), entry.get("key")
-    else:
-        kind, key = None, None
     code = error["error"] if error is not None else "bad_request"
-    return {"kind": kind, "key": key, "error": code}
+    return {"kind": _echoable(kind), "key": _echoable(key), "error": code}
+
+
+def _echoable(value: object) -> str | None:
+    return value if isinstance(value, str) and len(value) <= MAX_KEY_CHARS else None
+
+
+class _Refusals:
+    """The refusals one sync reply lists: in order while the reply stays under
+    MAX_LINE_BYTES, then only counted (`refused_omitted`)."""
+
+    __slots__ = ("_room", "full", "listed", "omitted")
+
+    def __init__(self, request_id: object) -> None:
+        # The reply without its refusals, with the largest counts it can carry.
+        envelope = {
+            "id": request_id,
+            "ok": True,
+            "accepted": SYNC_MAX_PENDING,
+            "refused": [],
+            "more": True,
+            "refused_omitted": 1 << 62,
+        }
+        self._room = MAX_LINE_BYTES - len(encode(envelope))
+        self.listed: list[Reply] = []
+        self.omitted = 0
+        self.full = self._room <= 0
+
+    def add(self, refusal: Reply) -> None:
+        """List `refusal` if it fits (with its comma); otherwise count it, and every later one."""
+        size = len(_JSON.encode(refusal)) + 1
+        if self.full or size > self._room:
+            self.full = True
+            self.omitted += 1
+            return
+        self.listed.append(refusal)
+        self._room -= size
+
+    def reply(self, request_id: object, accepted: int, *, more: bool) -> Reply:
+        """The sync reply, with `refused_omitted` when some refusals are not listed."""
+        reply: Reply = {"id": request_id, "ok": True, "accepted": accepted, "refused": self.listed}
+        if more:
+            reply["more"] = True
+        if self.omitted:
+            reply["refused_omitted"] = self.omitted
+        return reply

@@ -8,7 +8,9 @@ connection. It never decides anything about claims or leases:
 Each connection is a plain asyncio Protocol rather than a stream task: every
 line that arrived in one read is answered in one write (and journaled in one),
 claims and releases by `ControlSession`'s fast path, which is what lets a
-pipelining worker reach over a hundred thousand claims a second.
+pipelining worker reach over a hundred thousand claims a second. Lines are
+answered only while the unsent replies stay under WRITE_BUFFER_HIGH: the rest
+of a read waits, unread, until the peer has read enough.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ log = logging.getLogger("episode_router.control")
 # Stop reading a connection with more than this many unsent reply bytes (DESIGN §3).
 WRITE_BUFFER_HIGH = 1 << 20
 CLOSE_WAIT_S = 1.0  # at shutdown, how long connections get to end after their transport closed
+# A connection the router drops gets this long to send its last replies, then it is
+# aborted: a close waits for them for ever when the peer does not read.
+CLOSE_DRAIN_S = 1.0
 # A connection must say hello this soon, or it is closed: a peer that never does
 # would hold a descriptor for ever. Workers say hello as their first line.
 HELLO_DEADLINE_S = 10.0
@@ -111,6 +116,8 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.session: ControlSession | None = None
         self._hello_timer: asyncio.TimerHandle | None = None
+        self._abort_timer: asyncio.TimerHandle | None = None
+        self._writing_paused = False  # between pause_writing and resume_writing
         self.closed = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -126,37 +133,53 @@ class _Connection(asyncio.Protocol):
         server.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
-        buffer = self._buffer
-        buffer += data
-        end = buffer.rfind(b"\n")
-        if end < 0:
-            if len(buffer) >= MAX_LINE_BYTES:
-                self._refuse_long_line()
-            return
-        lines = bytes(buffer[: end + 1]).split(b"\n")
-        del buffer[: end + 1]
-        # The journal lines of every request in this read go out in one write,
-        # before any of their replies: a claim is acknowledged only once written.
-        # With state.path set: 49,000 -> 58,000 pairs/s over one pipelined
-        # connection (bench.micro's control client, 4 runs each).
-        journal = self._server.core.journal
-        journal.hold()
-        try:
-            replies, too_long = self._answer_lines(lines[:-1])  # the last piece is empty
-        finally:
-            journal.flush()
-        if too_long:
-            self._write_and_close(b"".join(replies))
-            return
-        if replies:
-            assert self.transport is not None
-            self.transport.write(b"".join(replies))
-        if len(buffer) >= MAX_LINE_BYTES:
-            self._refuse_long_line()
+        self._buffer += data
+        self._answer_buffered()
 
-    def _answer_lines(self, lines: list[bytes]) -> tuple[list[bytes], bool]:
-        """The reply lines to `lines` (blank ones get none), and whether a line
-        over the limit ends the connection (its reply is then the last one).
+    def _answer_buffered(self) -> None:
+        """Answer the complete lines in the buffer, in order, until the unsent replies
+        pass WRITE_BUFFER_HIGH; the lines left wait for resume_writing."""
+        transport = self.transport
+        assert transport is not None
+        buffer = self._buffer
+        journal = self._server.core.journal
+        while not self._writing_paused and not transport.is_closing():
+            end = buffer.rfind(b"\n")
+            if end < 0:
+                if len(buffer) >= MAX_LINE_BYTES:
+                    self._refuse_long_line()
+                return
+            lines = bytes(buffer[: end + 1]).split(b"\n")
+            lines.pop()  # the piece after the last newline is empty
+            room = WRITE_BUFFER_HIGH - transport.get_write_buffer_size()
+            # The journal lines of every request answered here go out in one write,
+            # before any of their replies: a claim is acknowledged only once written.
+            # With state.path set: 49,000 -> 58,000 pairs/s over one pipelined
+            # connection (bench.micro's control client, 4 runs each).
+            journal.hold()
+            try:
+                replies, used, too_long = self._answer_lines(lines, room)
+            finally:
+                journal.flush()
+            if too_long:
+                self._write_and_close(b"".join(replies))
+                return
+            if used == len(lines):
+                del buffer[: end + 1]
+            else:
+                del buffer[: sum(len(line) + 1 for line in lines[:used])]
+            if replies:
+                transport.write(b"".join(replies))  # may call pause_writing at once
+            if used == len(lines) and len(buffer) >= MAX_LINE_BYTES:
+                self._refuse_long_line()
+                return
+            # Lines left: loop, unless that write paused writing (then resume_writing
+            # answers them); the peer read enough if it did not.
+
+    def _answer_lines(self, lines: list[bytes], room: int) -> tuple[list[bytes], int, bool]:
+        """The reply lines to the first lines of `lines` (blank ones get none), how
+        many lines they answer, and whether a line over the limit ends the connection
+        (its reply is then the last one). Stops after the replies pass `room` bytes.
 
         The hot loop of a pipelining worker: one clock read for all the lines of a
         read (they arrived together), and the claim/release fast path tried first.
@@ -168,18 +191,24 @@ class _Connection(asyncio.Protocol):
         fast = session.answer_claim_or_release
         count_op = server.count_op
         replies: list[bytes] = []
-        for line in lines:
+        size = 0
+        for used, line in enumerate(lines, 1):
             if len(line) >= MAX_LINE_BYTES:  # the newline makes it one over
                 replies.append(encode(error_reply(None, "bad_request", "Line over 1 MiB.")))
-                return replies, True
+                return replies, used, True
             answered = fast(line, now)
             if answered is not None:
                 op, result, reply = answered
                 count_op(op, result)
-                replies.append(reply)
             elif line.strip():
-                replies.append(encode(self._answer(line, now)))
-        return replies, False
+                reply = encode(self._answer(line, now))
+            else:
+                continue
+            replies.append(reply)
+            size += len(reply)
+            if size > room:  # at least one line is answered: a paused writer resumes
+                return replies, used, False
+        return replies, len(lines), False
 
     def eof_received(self) -> bool:
         if self._buffer.strip():
@@ -187,23 +216,41 @@ class _Connection(asyncio.Protocol):
         return False  # close the transport
 
     def pause_writing(self) -> None:
+        self._writing_paused = True
         if self.transport is not None:
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
+        self._writing_paused = False
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        self._answer_buffered()  # the lines left from the reads before the pause
+        if not self._writing_paused and not transport.is_closing():
+            transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._hello_timer is not None:
             self._hello_timer.cancel()
+        if self._abort_timer is not None:
+            self._abort_timer.cancel()
         self._server.connection_closed(self)
         if not self.closed.done():
             self.closed.set_result(None)
 
     def close(self) -> None:
+        """Close after the unsent replies, or abort if they do not drain in CLOSE_DRAIN_S."""
+        transport = self.transport
+        if transport is None:
+            return
+        transport.close()
+        if self._abort_timer is None and transport.get_write_buffer_size():
+            loop = asyncio.get_running_loop()
+            self._abort_timer = loop.call_later(CLOSE_DRAIN_S, transport.abort)
+
+    def abort(self) -> None:
         if self.transport is not None:
-            self.transport.close()
+            self.transport.abort()
 
     def _answer(self, line: bytes, now: float) -> dict[str, object]:
         """The general path: any line, parsed and checked in full."""
@@ -226,7 +273,7 @@ class _Connection(asyncio.Protocol):
     def _write_and_close(self, data: bytes) -> None:
         if self.transport is not None:
             self.transport.write(data)
-            self.transport.close()
+            self.close()
 
     def _hello_overdue(self) -> None:
         self._hello_timer = None
@@ -319,6 +366,9 @@ class ControlServer:
             connection.close()
         if connections:
             await asyncio.wait([c.closed for c in connections], timeout=CLOSE_WAIT_S)
+            for connection in connections:
+                if not connection.closed.done():
+                    connection.abort()  # a peer that does not read its last replies
         if self._server is not None:
             await self._server.wait_closed()
         if self._unix_path is not None:

@@ -263,6 +263,17 @@ class RouterCore:
         self.on_retire(worker)
         return count
 
+    def remove(self, worker: Worker, now: float) -> None:
+        """Forget a worker the config no longer lists: its sessions become `worker_exited`
+        (it is retired first if it was not yet), no probe brings it back, and recovery
+        stops waiting for it. Registering the id again starts afresh."""
+        if worker.state is not WorkerState.EXITED:
+            self.retire(worker, now)
+        if self.workers.get(worker.id) is worker:
+            self.workers.remove(worker.id)
+        self._expected.discard(worker.id)
+        self._maybe_end_recovery(now)
+
     def lose(self, worker: Worker, now: float) -> None:
         """Its lease ended without a goodbye: keep forwarding for the grace period."""
         if worker.state in (WorkerState.LIVE, WorkerState.UNHEALTHY):

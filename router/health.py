@@ -93,6 +93,10 @@ class HealthProber:
             self.report(worker, outcome, now)
 
     def report(self, worker: Worker, outcome: str, now: float) -> None:
+        if self.core.workers.get(worker.id) is not worker:
+            # Removed (by a reload) while the probe was out: its answer brings nothing back.
+            self._failures.pop(worker.id, None)
+            return
         failures = self._failures.get(worker.id, 0) + 1 if outcome == "refused" else 0
         self._failures[worker.id] = failures
         if self.core.probe_result(worker, outcome, failures, now):

@@ -33,6 +33,11 @@ log = logging.getLogger("episode_router.journal")
 
 JOURNAL_VERSION = 1
 COMPACT_MIN_LINES = 10_000  # below this, rewriting costs more than it saves
+# After a failed compaction (a full disk, say), wait this long before the next try: a
+# snapshot is a full rewrite, and trying again every tick would only fail again, slowly.
+COMPACT_RETRY_S = 30.0
+# Errors are logged on the 1st, 10th, 100th... occurrence, never once per line.
+_LOG_MARKS = (1, 10, 100, 1000, 10_000)
 
 
 # One encoder for every line (json.dumps with arguments builds one per call), same
@@ -55,6 +60,8 @@ class JournalFile:
         self._lines = 0
         self._held: list[bytes] | None = None  # lines appended since hold(), until flush()
         self.write_errors = 0
+        self.compact_errors = 0
+        self._compact_not_before: float | None = None  # monotonic; set by a failed compaction
 
     # -- the sink the core calls -------------------------------------------
 
@@ -62,7 +69,7 @@ class JournalFile:
         self._append({"op": "worker", "id": worker.id, "url": worker.url, "boot": worker.boot})
 
     def drain(self, worker: Worker) -> None:
-        self._append({"op": "drain", "id": worker.id, "on": worker.draining})
+        self._append(_drain_record(worker))
 
     def claim(self, kind: str, key: str, worker: str) -> None:
         self._append({"op": "claim", "kind": kind, "key": key, "worker": worker})
@@ -102,23 +109,60 @@ class JournalFile:
 
     def compact(self, core: RouterCore, mono_now: float) -> None:
         """Rewrite the file as a snapshot of `core` (atomically, by rename), then
-        append to it. Also how a run starts its journal, after the replay."""
+        append to it. Also how a run starts its journal, after the replay.
+
+        Raises OSError when the snapshot cannot be written; the journal then goes
+        on appending to the file it had, and the temporary file is removed if it can be.
+        """
         records = snapshot(core, self._clock(), mono_now)
         tmp = f"{self.path}.tmp"
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.write(fd, b"".join(_line(r) for r in records))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                _write_all(fd, b"".join(_line(r) for r in records))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+        except OSError:
+            # A half-written snapshot must not stay behind to fill the disk further.
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         self.close()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         self._lines = len(records)
 
-    def wants_compaction(self, live_records: int) -> bool:
+    def compact_during_run(self, core: RouterCore, mono_now: float) -> bool:
+        """`compact`, for a running router: a failure is counted in `compact_errors`,
+        logged once in a while, and the next try waits COMPACT_RETRY_S. Returns
+        whether the file was rewritten."""
+        try:
+            self.compact(core, mono_now)
+        except OSError as exc:
+            # Routing must go on: the old file still replays to the same state, only longer.
+            self.compact_errors += 1
+            self._compact_not_before = mono_now + COMPACT_RETRY_S
+            if self.compact_errors in _LOG_MARKS:
+                log.error(
+                    "journal compaction failed; appending to the old file",
+                    extra={"error": str(exc), "failures": self.compact_errors},
+                )
+            return False
+        self._compact_not_before = None
+        return True
+
+    def wants_compaction(self, live_records: int, mono_now: float | None = None) -> bool:
+        """Whether the file is long enough to rewrite, and (given `mono_now`) no
+        failed compaction asks to wait."""
+        if (
+            mono_now is not None
+            and self._compact_not_before is not None
+            and mono_now < self._compact_not_before
+        ):
+            return False
         return self._lines > max(COMPACT_MIN_LINES, 2 * live_records)
 
     def close(self) -> None:
@@ -141,17 +185,22 @@ class JournalFile:
         if self._fd is None:
             return
         try:
-            written = os.write(self._fd, data)
-            while written < len(data):  # a short write only near a full disk; finish or fail
-                written += os.write(self._fd, data[written:])
+            _write_all(self._fd, data)
         except OSError as exc:
             # A full disk must not stop routing: the workers' sync restores
             # claims after a restart. Count the lines lost and say it once in a while.
             before, self.write_errors = self.write_errors, self.write_errors + lines
-            if any(before < mark <= self.write_errors for mark in (1, 10, 100, 1000)):
+            if any(before < mark <= self.write_errors for mark in _LOG_MARKS):
                 log.error("journal write failed", extra={"error": str(exc)})
             return
         self._lines += lines
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of `data`, or raise OSError."""
+    written = os.write(fd, data)
+    while written < len(data):  # a short write only near a full disk; finish or fail
+        written += os.write(fd, data[written:])
 
 
 def snapshot(core: RouterCore, wall_now: float, mono_now: float) -> list[dict[str, Any]]:
@@ -165,13 +214,24 @@ def snapshot(core: RouterCore, wall_now: float, mono_now: float) -> list[dict[st
                 {"op": "worker", "id": worker.id, "url": worker.url, "boot": worker.boot}
             )
             if worker.draining:
-                records.append({"op": "drain", "id": worker.id, "on": True})
+                records.append(_drain_record(worker))
     for claim in core.claims.held():
         op = "learn" if claim.learned else "claim"
         records.append({"op": op, "kind": claim.kind, "key": claim.key, "worker": claim.worker})
     for claim in core.claims.tombstones():
         records.append(_tombstone_record(claim, wall_now - (mono_now - claim.since)))
     return records
+
+
+def _drain_record(worker: Worker) -> dict[str, Any]:
+    # `by_worker`: the worker's process asked, so its next boot does not inherit the
+    # drain (RouterCore.register); an operator's drain stays.
+    return {
+        "op": "drain",
+        "id": worker.id,
+        "on": worker.draining,
+        "by_worker": worker.drained_by_worker,
+    }
 
 
 def _tombstone_record(claim: Claim, made_at_wall: float) -> dict[str, Any]:
@@ -216,6 +276,8 @@ def _apply(core: RouterCore, record: dict[str, Any], at: float) -> None:
         worker = core.workers.get(str(record["id"]))
         if worker is not None:
             worker.draining = bool(record["on"])
+            # Absent in journals written before it was recorded: an operator's drain, as then.
+            worker.drained_by_worker = worker.draining and bool(record.get("by_worker", False))
     elif op == "claim":
         claims.claim(str(record["kind"]), str(record["key"]), str(record["worker"]), at)
     elif op == "learn":

@@ -190,8 +190,9 @@ class RouterService:
         live = (
             self.core.claims.held_total + self.core.claims.tombstone_count + len(self.core.workers)
         )
-        if journal.wants_compaction(live):
-            journal.compact(self.core, self._clock())
+        now = self._clock()
+        if journal.wants_compaction(live, now):
+            journal.compact_during_run(self.core, now)  # a failure is logged; appends go on
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish (up to the grace), then close."""
@@ -273,15 +274,23 @@ class RouterService:
     async def _tick_forever(self) -> None:
         while True:
             await asyncio.sleep(TICK_INTERVAL_S)
-            leased = [w for w in self.core.workers if w.lease is not None]
-            result = self.core.tick(self._clock(), leased)
-            for worker in result.lost:
-                log.warning("worker lease silent", extra={"worker": worker.id})
-                self.metrics.worker_transition("lost")
-                self.control.close_lease(worker)
-            if result.recovery_ended:
-                log.info("recovery window ended")
-            self._maybe_compact_journal()
+            try:
+                self._tick()
+            except Exception:
+                # One bad tick must not end them all: without this task no lease goes
+                # silent, no grace ends and no tombstone expires.
+                log.exception("periodic tick failed")
+
+    def _tick(self) -> None:
+        leased = [w for w in self.core.workers if w.lease is not None]
+        result = self.core.tick(self._clock(), leased)
+        for worker in result.lost:
+            log.warning("worker lease silent", extra={"worker": worker.id})
+            self.metrics.worker_transition("lost")
+            self.control.close_lease(worker)
+        if result.recovery_ended:
+            log.info("recovery window ended")
+        self._maybe_compact_journal()
 
     def _retired(self, worker: Worker) -> None:
         log.warning("worker exited", extra={"worker": worker.id})
@@ -360,10 +369,13 @@ class RouterService:
         now = self._clock()
         wanted = {static.id: static.url for static in target.workers}
         for worker in self.core.workers:
-            if worker.origin is not WorkerOrigin.STATIC or worker.state is WorkerState.EXITED:
+            if worker.origin is not WorkerOrigin.STATIC:
                 continue
-            if wanted.get(worker.id) != worker.url:
-                self.core.retire(worker, now)  # removed, or moved: its sessions end
+            if worker.id not in wanted:
+                # Removed, exited or not: out of the registry, so no probe revives it.
+                self.core.remove(worker, now)
+            elif wanted[worker.id] != worker.url and worker.state is not WorkerState.EXITED:
+                self.core.retire(worker, now)  # moved: its sessions end
         for worker_id, url in wanted.items():
             known = self.core.workers.get(worker_id)
             if known is None or known.state is WorkerState.EXITED or known.url != url:

@@ -101,6 +101,9 @@ class WorkerRegistry:
     def add(self, worker: Worker) -> None:
         self._workers[worker.id] = worker
 
+    def remove(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
     def by_url(self, url: str) -> Worker | None:
         for worker in self._workers.values():
             if worker.url == url and worker.state is not WorkerState.EXITED:

@@ -42,6 +42,7 @@ from playbook import (
 
 from router.control import (
     MAX_KEY_CHARS,
+    MAX_LINE_BYTES,
     ControlSession,
     Peer,
     decode_line,
@@ -386,6 +387,24 @@ def test_hello_again_on_the_same_connection_is_idempotent() -> None:
     )
 
 
+def test_hello_again_on_the_same_connection_with_another_boot_or_url_is_worker_busy() -> None:
+    with_w0().run(
+        [
+            (Send("a", claim(3, "ep1")), ok(3), {C("ep1"): "held w0"}),
+            (Send("a", hello(4, "w0", boot="b-new")), err(4, "worker_busy")),
+            (Send("a", hello(5, "w0", url="http://127.0.0.1:9999")), err(5, "worker_busy")),
+            # Nothing changed: same lease, same generation, same claims, same connection.
+            (
+                Send("a", claim(6, "ep2")),
+                ok(6),
+                {C("ep1"): "held w0", C("ep2"): "held w0", W("w0"): "live @a"},
+            ),
+            (Route("ep1"), Fwd("w0", "ep1", "b0")),
+            (Send("a", hello(7, "w0")), ok(7, **ROUTER)),
+        ]
+    )
+
+
 def test_a_connection_holds_one_lease_only() -> None:
     with_w0().run([(Send("a", hello(3, "w1")), err(3, "forbidden"))])
 
@@ -587,20 +606,21 @@ def test_sync_may_span_several_messages() -> None:
                         "more": True,
                     },
                 ),
-                ok(6, accepted=0, refused=[], more=True),
-            ),
-            (
-                Send("a", sync(7, "ep1", "s1")),
+                # Malformed entries are refused in their own message's reply.
                 ok(
-                    7,
-                    accepted=3,
+                    6,
+                    accepted=0,
                     refused=[
                         {"kind": "episode", "key": "", "error": "bad_request"},
                         {"kind": None, "key": None, "error": "bad_request"},
                         {"kind": "x", "key": "s4", "error": "unknown_kind"},
-                        {"kind": "episode", "key": "ep2", "error": "conflict"},
                     ],
+                    more=True,
                 ),
+            ),
+            (
+                Send("a", sync(7, "ep1", "s1")),
+                ok(7, accepted=3, refused=[{"kind": "episode", "key": "ep2", "error": "conflict"}]),
                 {C("old"): "ended w0", C("s1"): "held w0", C("s2"): "held w0"},
             ),
             # A later sync starts afresh.
@@ -609,6 +629,91 @@ def test_sync_may_span_several_messages() -> None:
                 ok(8, accepted=1, refused=[]),
                 {C("ep1"): "ended w0", C("s2"): "ended w0"},
             ),
+        ]
+    )
+
+
+def _wire_size(reply: dict[str, Any]) -> int:
+    return len(encode(reply))
+
+
+def test_a_syncs_malformed_entries_are_refused_in_its_own_reply_and_not_kept() -> None:
+    playbook = with_w0()
+    junk = {"op": "sync", "id": 3, "claims": [0] * 100_000, "more": True}
+    for request_id in (3, 4, 5):  # a peer repeating it grows nothing the router keeps
+        reply = playbook.perform(Send("a", junk | {"id": request_id}))
+        assert isinstance(reply, dict) and reply["more"] is True
+        assert len(reply["refused"]) + reply["refused_omitted"] == 100_000
+        assert reply["refused"][0] == {"kind": None, "key": None, "error": "bad_request"}
+        assert _wire_size(reply) <= MAX_LINE_BYTES
+
+    assert playbook.perform(Send("a", sync(6, "s1"))) == ok(6, accepted=1, refused=[])
+
+
+def test_a_sync_reply_lists_what_fits_in_one_line_and_counts_the_rest() -> None:
+    playbook = with_w0_and_w1()
+    keys = [f"ep{i:06d}-{'x' * 40}" for i in range(30_000)]  # about 2 MB of refusals
+    taken = playbook.perform(
+        Send("b", {"op": "sync", "id": 3, "claims": [{"key": k} for k in keys]})
+    )
+    assert taken == ok(3, accepted=30_000, refused=[])
+
+    reply = playbook.perform(
+        Send("a", {"op": "sync", "id": 4, "claims": [{"key": k} for k in keys]})
+    )
+
+    assert isinstance(reply, dict) and reply["accepted"] == 0
+    listed = reply["refused"]
+    assert 0 < len(listed) < 30_000
+    assert len(listed) + reply["refused_omitted"] == 30_000
+    assert {r["error"] for r in listed} == {"conflict"}
+    assert MAX_LINE_BYTES - 200 < _wire_size(reply) <= MAX_LINE_BYTES  # as many as fit
+
+
+def test_a_malformed_entrys_long_or_odd_fields_are_not_echoed() -> None:
+    long_key = "\U0001f600" * (MAX_KEY_CHARS + 1)  # twelve bytes each once escaped
+    reply = with_w0().perform(
+        Send(
+            "a",
+            {
+                "op": "sync",
+                "id": 3,
+                "claims": [{"key": long_key}, {"kind": ["x"], "key": 7}, {"kind": "x", "key": "k"}],
+            },
+        )
+    )
+    assert reply == ok(
+        3,
+        accepted=0,
+        refused=[
+            {"kind": "episode", "key": None, "error": "bad_request"},
+            {"kind": None, "key": None, "error": "bad_request"},
+            {"kind": "x", "key": "k", "error": "unknown_kind"},
+        ],
+    )
+
+
+def test_a_new_hello_or_bye_drops_an_unfinished_sync() -> None:
+    with_w0().run(
+        [
+            (Send("a", sync(3, "s1", more=True)), ok(3, accepted=0, refused=[], more=True)),
+            (Send("a", hello(4, "w0")), ok(4, **ROUTER)),
+            # The hello began afresh: s1 was never part of this sync.
+            (
+                Send("a", sync(5, "s2")),
+                ok(5, accepted=1, refused=[]),
+                {C("ep1"): "ended w0", C("s2"): "held w0"},
+            ),
+            (Send("a", sync(6, "s3", more=True)), ok(6, accepted=0, refused=[], more=True)),
+            (
+                Send("a", {"op": "bye", "id": 7}),
+                ok(7),
+                {W("w0"): "exited", C("s2"): "exited w0", R("w0"): 1},
+            ),
+            (Send("a", hello(8, "w0")), ok(8, **ROUTER), {W("w0"): "live g1 @a"}),
+            (Send("a", sync(9, "s4")), ok(9, accepted=1, refused=[]), {C("s4"): "held w0"}),
+            (Route("s1"), Ans("unknown_episode", "s1")),
+            (Route("s3"), Ans("unknown_episode", "s3")),
         ]
     )
 

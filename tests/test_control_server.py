@@ -87,6 +87,13 @@ def _no_connections(control: Served) -> Callable[[], Awaitable[bool]]:
     return check
 
 
+def _connections(control: Served, count: int) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return control.server.connection_count == count
+
+    return check
+
+
 def _unix(tmp_path: Path) -> str:
     return f"unix:{tmp_path}/control.sock"
 
@@ -474,6 +481,106 @@ async def test_the_router_stops_reading_a_peer_that_does_not_read_its_replies(
             reply = await lease.read_reply()
             assert (reply["id"], reply["error"]) == (f"{i % 10}{pad}", "no_hello")
         lease.abort()
+
+
+def _unread_socket(address: str) -> socket.socket:
+    """A Unix connection with a tiny receive buffer, for a peer that never reads."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * MiB)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(address[len("unix:") :])
+    sock.setblocking(False)
+    return sock
+
+
+async def _send_until_unread(sock: socket.socket, data: bytes) -> int:
+    """Sends `data` until it is all sent or the router stops reading; returns the bytes sent."""
+    sent, stuck_since = 0, None
+    for _ in range(2000):  # bounded: a few seconds at most
+        try:
+            sent += sock.send(data[sent : sent + 65536])
+            stuck_since = None
+            await asyncio.sleep(0)  # the router reads as it would from a real peer
+        except BlockingIOError:
+            stuck_since = stuck_since or time.monotonic()
+            if time.monotonic() - stuck_since > 0.3:
+                break
+            await asyncio.sleep(0.01)
+        if sent >= len(data):
+            break
+    return sent
+
+
+def _pings(count: int) -> bytes:
+    return b"".join(b'{"op":"ping","id":%d}\n' % i for i in range(count))
+
+
+async def test_unsent_replies_stay_within_the_bound_and_the_rest_waits_in_order(
+    tmp_path: Path,
+) -> None:
+    async with served(_unix(tmp_path)) as control:
+        sock = _unread_socket(control.address)
+        lines = 100_000  # 2.2 MB of short lines, each answered with ~80 bytes
+        data = _pings(lines)
+        sent = await _send_until_unread(sock, data)
+        await asyncio.sleep(0.2)  # the router answers what it has read, then stops
+        (connection,) = control.server.connections
+        assert connection.transport is not None
+        held = connection.transport.get_write_buffer_size()
+        assert 0 < held <= 1 * MiB + 200  # over the bound by one reply at most
+
+        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=4 * MiB)
+        writer.write(data[sent:])
+        for i in range(lines):  # every line answered once, in order, none lost
+            reply = json.loads(await asyncio.wait_for(reader.readline(), 5.0))
+            assert (reply["id"], reply["error"]) == (i, "no_hello")
+        writer.close()
+
+
+async def test_a_connection_dropped_at_the_hello_deadline_is_aborted_if_its_peer_does_not_read(
+    tmp_path: Path,
+) -> None:
+    async with served(_unix(tmp_path)) as control:
+        control.server.hello_deadline_s = 0.3
+        sock = _unread_socket(control.address)
+        await wait_until(_connections(control, 1), "the connection to be accepted")
+        await _send_until_unread(sock, _pings(100_000))
+        started = time.monotonic()
+
+        (connection,) = control.server.connections
+        assert connection.transport is not None
+        assert connection.transport.get_write_buffer_size() > 0  # replies it cannot send
+
+        await wait_until(_no_connections(control), "the connection to be aborted")
+
+        assert time.monotonic() - started < 0.3 + 1.0 + 1.0  # deadline + drain time + slack
+        sock.close()
+
+
+async def test_a_lease_closed_by_the_router_is_aborted_if_its_peer_does_not_read(
+    tmp_path: Path,
+) -> None:
+    async with served(_unix(tmp_path)) as control:
+        sock = _unread_socket(control.address)
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        hello = {"op": "hello", "id": 0, "v": 1, "worker": "w0", "url": URL, "boot": "b"}
+        writer.write(json.dumps(hello).encode() + b"\n")
+        assert json.loads(await reader.readline())["ok"] is True
+        transport = writer.transport
+        transport.pause_reading()  # from now on this peer reads nothing
+        await _send_until_unread(sock, _pings(100_000))
+        await asyncio.sleep(0.2)  # the router answers what it has read, then stops
+        worker = control.core.workers.get("w0")
+        assert worker is not None
+        (connection,) = control.server.connections
+        assert connection.transport is not None
+        assert connection.transport.get_write_buffer_size() > 0  # replies it cannot send
+
+        control.server.close_lease(worker)  # what a silent lease or a retired worker gets
+
+        await wait_until(_no_connections(control), "the connection to be aborted")
+        assert [w.id for w in control.lost] == ["w0"]
+        transport.abort()
 
 
 # --- who may say hello ----------------------------------------------------------------------

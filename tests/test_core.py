@@ -33,8 +33,9 @@ from playbook import (
     W,
 )
 
+from router.answers import Answer
 from router.claims import ClaimRefusal, SyncResult
-from router.core import CoreSettings
+from router.core import CoreSettings, Forward, RouterCore
 from router.workers import WorkerOrigin
 
 STATIC = WorkerOrigin.STATIC
@@ -570,3 +571,26 @@ def test_max_tombstones_bounds_memory_and_an_evicted_key_is_unknown() -> None:
             (Route("k2"), Ans("episode_ended", "k2")),
         ]
     )
+
+
+def test_a_removed_static_worker_is_forgotten_and_its_sessions_stay_410() -> None:
+    core = RouterCore(SETTINGS, 0.0)  # recovering, waiting for both static workers
+    s0 = core.register("s0", U0, STATIC, 0.0)
+    s1 = core.register("s1", U1, STATIC, 0.0)
+    core.expect("s0")
+    core.expect("s1")
+    assert core.claims.claim("episode", "ep3", "s1", 0.0) is None
+    core.mark_recovered("s0", 1.0)
+    assert core.recovering(1.0)
+
+    core.remove(s1, 2.0)
+
+    assert [w.id for w in core.workers] == ["s0"]
+    assert not core.recovering(2.0)  # no longer waits for the worker it forgot
+    claim = core.claims.lookup("episode", "ep3")
+    assert claim is not None and claim.state.value == "worker_exited"
+    answer = core.route("episode", "ep3", 3.0)
+    assert isinstance(answer, Answer) and answer.code == "worker_exited"
+    assert core.probe_result(s1, "ok", 0, 4.0)  # a late probe's answer changes the object...
+    picked = core.balance(None)
+    assert isinstance(picked, Forward) and picked.worker is s0  # ...but brings nothing back

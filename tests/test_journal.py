@@ -7,7 +7,7 @@ from pathlib import Path
 
 from router.claims import ClaimState
 from router.core import CoreSettings, RouterCore
-from router.journal import COMPACT_MIN_LINES, JournalFile, replay, snapshot
+from router.journal import COMPACT_MIN_LINES, COMPACT_RETRY_S, JournalFile, replay, snapshot
 from router.workers import WorkerOrigin, WorkerState
 
 SETTINGS = CoreSettings(kinds={"episode": False}, tombstone_ttl_s=100.0, recovery_window_s=30.0)
@@ -76,6 +76,64 @@ def test_claims_releases_drains_and_exits_survive_a_restart(tmp_path: Path) -> N
     assert exited_w2 is not None and exited_w2.state is WorkerState.EXITED
 
 
+def _drained_pair(core: RouterCore) -> None:
+    """w0 drained itself over the control socket; an operator drained w1."""
+    w0 = core.register("w0", "http://127.0.0.1:9001", WorkerOrigin.CONTROL, 0.0, "b0")
+    w1 = core.register("w1", "http://127.0.0.1:9002", WorkerOrigin.CONTROL, 0.0, "b1")
+    core.set_draining(w0, True, by_worker=True)
+    core.set_draining(w1, True)
+
+
+def _drains(core: RouterCore) -> dict[str, tuple[bool, bool]]:
+    return {w.id: (w.draining, w.drained_by_worker) for w in core.workers}
+
+
+def _new_boots(core: RouterCore) -> dict[str, bool]:
+    """Both processes restarted (new boots): which workers are still draining."""
+    core.register("w0", "http://127.0.0.1:9001", WorkerOrigin.CONTROL, 1.0, "b0-next")
+    core.register("w1", "http://127.0.0.1:9002", WorkerOrigin.CONTROL, 1.0, "b1-next")
+    return {w.id: w.draining for w in core.workers}
+
+
+def test_who_drained_a_worker_survives_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "journal"
+    core, journal = run_with_journal(path)
+    _drained_pair(core)
+    journal.close()
+
+    replayed = restart(path)
+
+    assert _drains(replayed) == {"w0": (True, True), "w1": (True, False)}
+    # The worker's own drain ends with its process; the operator's stays.
+    assert _new_boots(replayed) == {"w0": False, "w1": True}
+
+
+def test_who_drained_a_worker_survives_compaction(tmp_path: Path) -> None:
+    path = tmp_path / "journal"
+    core, journal = run_with_journal(path)
+    _drained_pair(core)
+    journal.compact(core, 1.0)
+    journal.close()
+
+    replayed = restart(path)
+
+    assert _drains(replayed) == {"w0": (True, True), "w1": (True, False)}
+    assert _new_boots(replayed) == {"w0": False, "w1": True}
+
+
+def test_a_drain_journaled_without_who_asked_replays_as_an_operators() -> None:
+    lines = [
+        b'{"op":"version","v":1,"t":1800000000.0}',
+        b'{"op":"worker","id":"w0","url":"http://127.0.0.1:9001","boot":"b0","t":1800000000.0}',
+        b'{"op":"drain","id":"w0","on":true,"t":1800000000.0}',
+    ]
+    core = RouterCore(SETTINGS, 0.0)
+    assert replay(core, lines, 0.0, WALL0) == 0
+
+    assert _drains(core) == {"w0": (True, False)}
+    assert _new_boots(core)["w0"] is True  # as before the field existed
+
+
 def test_replayed_workers_are_expected_and_recovery_ends_when_they_sync(tmp_path: Path) -> None:
     path = tmp_path / "journal"
     core, journal = run_with_journal(path)
@@ -125,6 +183,51 @@ def test_compaction_rewrites_a_snapshot_that_replays_to_the_same_state(tmp_path:
     assert len(lines) == 1 + 1 + 1 + core.claims.tombstone_count  # version, worker, claim, tombs
     journal.close()
     assert state(restart(path)) == state(core)
+
+
+def test_a_failed_compaction_keeps_appending_to_the_old_file_and_waits_to_retry(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "journal"
+    core, journal = run_with_journal(path)
+    w0 = core.register("w0", "http://127.0.0.1:9001", WorkerOrigin.CONTROL, 0.0, "b0")
+    for i in range(COMPACT_MIN_LINES + 1):
+        core.claim(w0, "episode", f"k{i}", 1.0)
+        core.release(w0, "episode", f"k{i}", 1.0)
+    before = path.read_bytes()
+    (tmp_path / "journal.tmp").mkdir()  # the snapshot cannot be written (as on a full disk)
+    assert journal.wants_compaction(1, 10.0)
+
+    assert journal.compact_during_run(core, 10.0) is False
+
+    assert journal.compact_errors == 1
+    assert path.read_bytes() == before  # the old file, untouched
+    core.claim(w0, "episode", "after", 11.0)  # and still appended to
+    assert path.read_bytes().splitlines()[-1].startswith(b'{"op":"claim"')
+    assert b'"key":"after"' in path.read_bytes()
+    assert not journal.wants_compaction(1, 10.0 + COMPACT_RETRY_S - 1)  # not every tick
+    assert journal.wants_compaction(1, 10.0 + COMPACT_RETRY_S)
+
+    (tmp_path / "journal.tmp").rmdir()
+    assert journal.compact_during_run(core, 10.0 + COMPACT_RETRY_S) is True
+    assert not (tmp_path / "journal.tmp").exists()
+    assert len(path.read_bytes().splitlines()) < len(before.splitlines())  # the snapshot
+    journal.close()
+    assert state(restart(path)) == state(core)
+
+
+def test_a_compaction_that_fails_midway_removes_its_temporary_file(tmp_path: Path) -> None:
+    path = tmp_path / "journal"
+    core, journal = run_with_journal(path)
+    core.register("w0", "http://127.0.0.1:9001", WorkerOrigin.CONTROL, 0.0, "b0")
+    (tmp_path / "journal").unlink()
+    (tmp_path / "journal").mkdir()  # the rename over it fails, after the snapshot was written
+
+    assert journal.compact_during_run(core, 1.0) is False
+
+    assert journal.compact_errors == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["journal"]
+    journal.close()
 
 
 def test_a_torn_or_foreign_line_is_skipped_and_counted(tmp_path: Path) -> None:

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from router_fixtures import Rig, open_rig, token
+from router_fixtures import EchoWorker, Rig, open_rig, router_config, token, wait_until
 
 from router.config import (
     Config,
     ConfigError,
+    HealthConfig,
     LimitsConfig,
     ListenConfig,
+    StaticWorkerConfig,
     default_config,
     load_config,
 )
@@ -180,6 +183,40 @@ async def test_static_workers_come_and_go_with_the_config(rig: Rig, tmp_path: Pa
     assert rig.router.core.workers.get("s0") is not None
     write_config(path, tmp_path)
     rig.router.reload_from_file()
-    gone = rig.router.core.workers.get("s0")
-    assert gone is not None and gone.state.value == "exited"
+    assert rig.router.core.workers.get("s0") is None  # retired and forgotten: never probed again
     assert _kinds(rig.router.config) == ["episode"]
+
+
+async def test_a_static_worker_removed_by_a_reload_is_not_probed_back_to_life(
+    rig: Rig, tmp_path: Path
+) -> None:
+    kept, removed = EchoWorker("s0", "unix:/nonexistent"), EchoWorker("s1", "unix:/nonexistent")
+    for worker in (kept, removed):  # HTTP only: static workers never say hello
+        await worker.serve()
+        rig.stack.push_async_callback(worker.close_http)
+    probes = HealthConfig(path="/health", interval_s=0.05, timeout_s=0.3, failures=2)
+    both = (StaticWorkerConfig("s0", kept.url), StaticWorkerConfig("s1", removed.url))
+    config = router_config(tmp_path, workers=both, health=probes)
+    await rig.start_router(config)
+    core = rig.router.core
+    assert core.claims.claim("episode", "ep-a0", "s1", time.monotonic()) is None
+    await wait_until(_async(lambda: "/health" in removed.paths_seen()), "s1 to be probed")
+
+    rig.router.reload(dataclasses.replace(config, workers=both[:1]))
+    probed = len(removed.paths_seen())
+    await asyncio.sleep(10 * probes.interval_s)  # ten probe rounds; s1 still listens
+
+    assert core.workers.get("s1") is None
+    assert len(removed.paths_seen()) <= probed + 1  # at most the round already in flight
+    (await rig.request("GET", "/", episode=token("ep"))).assert_answer(
+        410, "worker_exited", "ep-a0"
+    )
+    for _ in range(4):  # new sessions only go to the worker the config lists
+        assert (await rig.request("POST", "/seed")).worker == "s0"
+
+
+def _async(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+    async def run() -> bool:
+        return check()
+
+    return run

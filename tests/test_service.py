@@ -11,7 +11,7 @@ import asyncio
 import os
 import stat
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -27,6 +27,7 @@ from router_fixtures import (
     wait_until,
 )
 
+from router import journal as journal_module
 from router.config import StateConfig
 from router.control_server import ControlSocketInUse
 from router.service import RouterService
@@ -213,6 +214,67 @@ async def test_a_second_router_that_cannot_start_leaves_the_live_journal_alone(
 
     assert b"before-a0" in journal.read_bytes()
     assert b"after-a0" in journal.read_bytes()
+
+
+async def test_a_compaction_that_fails_leaves_the_tick_running(
+    rig: Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(journal_module, "COMPACT_MIN_LINES", 5)  # due after a few claims
+    journal = tmp_path / "journal"
+    service = await rig.start_router(
+        router_config(tmp_path, reconnect_grace_s=0.5, state=StateConfig(path=str(journal)))
+    )
+    (tmp_path / "journal.tmp").mkdir()  # no snapshot can be written (as on a full disk)
+    worker = await rig.add_worker("w0", lease="raw")
+    await worker.claim("ep0-a0")
+    assert worker.lease is not None
+    for i in range(20):  # journal lines that hold nothing: the file is due for compaction
+        assert (await worker.lease.call("drain", on=i % 2 == 0))["ok"] is True
+    assert service.journal is not None
+    errors = service.journal
+
+    async def compaction_failed() -> bool:
+        return errors.compact_errors >= 1
+
+    await wait_until(compaction_failed, "a compaction to fail")
+    worker.lease.abort()
+
+    # Only the tick ends a grace (the worker still listens, so no probe retires it).
+    await rig.wait_worker_state("w0", "exited")
+    assert "tick" in {task.get_name() for task in service._tasks}
+    assert errors.compact_errors == 1  # tried once, not on every tick since
+    assert b'"op":"exited"' in journal.read_bytes()  # the old file is still appended to
+    (await rig.request("GET", "/", episode=token("ep0"))).assert_answer(
+        410, "worker_exited", "ep0-a0"
+    )
+
+
+async def test_an_unexpected_error_in_one_tick_does_not_stop_the_next(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = await rig.start_router(reconnect_grace_s=0.3)
+    failures: list[int] = []
+
+    def fails_once() -> None:
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("a bug")
+
+    monkeypatch.setattr(service, "_maybe_compact_journal", fails_once)
+    worker = await rig.add_worker("w0", lease="raw")
+    await wait_until(_async(lambda: bool(failures)), "the failing tick")
+    assert worker.lease is not None
+    worker.lease.abort()
+
+    await rig.wait_worker_state("w0", "exited")  # a later tick ended the grace
+    assert "tick" in {task.get_name() for task in service._tasks}
+
+
+def _async(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+    async def run() -> bool:
+        return check()
+
+    return run
 
 
 # --- leases -------------------------------------------------------------------------------
