@@ -23,6 +23,7 @@ STATUS_BY_CODE: Final[dict[str, int]] = {
     "uri_too_long": 414,
     "worker_exited": 410,
     "episode_ended": 410,
+    "request_timeout": 408,
     "headers_too_large": 431,
     "upstream_error": 502,
     "no_worker": 503,

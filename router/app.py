@@ -243,6 +243,8 @@ class PublicHandler:
                 return exchange.answer(
                     Answer("bad_request", f"The request body is malformed ({outcome.detail}).")
                 )
+            if outcome.kind == "client_timeout":
+                return exchange.answer(_body_timeout_answer(outcome.detail))
             if outcome.kind == "too_large":
                 return exchange.answer(
                     Answer("payload_too_large", "The request body is over the router's limit.")
@@ -418,10 +420,12 @@ class _Exchange(LaneDone):
         request.client.answer(request, answer)
 
     def body_broke(self, broken: BodyBroken) -> None:
-        """The request body could not be read: 400 for a malformed one; nothing for a
-        client that left (there is no one to answer)."""
+        """The request body could not be read: 400 for a malformed one, 408 for one whose
+        client went silent; nothing for a client that left (there is no one to answer)."""
         if broken.malformed:
             self.answer(Answer("bad_request", f"The request body is malformed ({broken.reason})."))
+        elif broken.timed_out:
+            self.answer(_body_timeout_answer(broken.reason))
         else:
             self.client_left()
 
@@ -487,6 +491,11 @@ def _public_base(host: str) -> str:
     last.host = host
     last.base = base
     return base
+
+
+def _body_timeout_answer(reason: str) -> Answer:
+    """408: the client went silent mid-body (its fault, not the worker's)."""
+    return Answer("request_timeout", f"The request body stopped arriving ({reason}).")
 
 
 def _small_json_body(request: PublicRequest, reader: SessionReader) -> bool:

@@ -71,6 +71,7 @@ LINGER_MAX_BYTES: Final = 1 << 20  # ... and how much of it, before it closes at
 _HEAD: Final = 1  # a request head is arriving: close
 _IDLE: Final = 2  # kept alive, nothing in flight: close
 _LINGER: Final = 3  # closing, reading what the client still sends: close
+_BODY: Final = 4  # a request body is arriving and went silent: 408
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,7 @@ class EdgeLimits:
     max_line_bytes: int = 8190
     max_header_bytes: int = 8190
     max_headers: int = 100
+    body_timeout_s: float = 60.0
 
 
 # The usual versions and methods, looked up instead of parsed and decoded per request
@@ -363,6 +365,11 @@ class EdgeConnection(asyncio.Protocol):
             # request line (llhttp calls back from its target on). The head's clock
             # starts now, and runs on past the request being handled (_dispatch).
             self._set_deadline(self._time() + self._head_timeout_s(), _HEAD)
+        elif self._receiving is not None and not self._reading_paused:
+            # A body that spans reads: each read moves its clock (a later deadline is
+            # only stored), and a client silent for longer gets 408. A body that came
+            # whole with its head never gets here.
+            self._set_deadline(self._time() + self._limits.body_timeout_s, _BODY)
 
     def _note_stalled(self, size: int) -> None:
         """A read that delivered nothing (no head began, no field or body bytes came out,
@@ -582,6 +589,8 @@ class EdgeConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._parse_events += 1
+        if self._deadline_kind == _BODY:
+            self._set_deadline(None, 0)
         receiving = self._receiving
         if receiving is not None and receiving.body is not None:
             receiving.body.feed_eof()
@@ -625,9 +634,13 @@ class EdgeConnection(asyncio.Protocol):
         if pause and not self._reading_paused:
             self._reading_paused = True
             transport.pause_reading()
+            if self._deadline_kind == _BODY:
+                self._set_deadline(None, 0)  # not the client's silence while not read
         elif not pause and self._reading_paused:
             self._reading_paused = False
             transport.resume_reading()
+            if self._receiving is not None and not self._stopped:
+                self._set_deadline(self._time() + self._limits.body_timeout_s, _BODY)
 
     # --- serving ----------------------------------------------------------------------
 
@@ -781,6 +794,15 @@ class EdgeConnection(asyncio.Protocol):
             return
         kind = self._deadline_kind
         self._deadline = None
+        receiving = self._receiving
+        if kind == _BODY and receiving is not None and receiving.body is not None:
+            # The handler answers 408 when it reads the body, then the connection closes
+            # (its rest is never parsed as a next request).
+            self._receiving = None
+            self._stopped = True
+            reason = f"no bytes for {self._limits.body_timeout_s:g} s"
+            receiving.body.fail(reason, malformed=False, timed_out=True)
+            return
         if kind == _HEAD:
             log.debug("closed a connection whose request head did not arrive in time")
         self._close()

@@ -30,15 +30,17 @@ _MAX_WANTED_NAMES: Final = 256
 
 
 class BodyBroken(Exception):
-    """The request body cannot be had: malformed framing, or the client left mid-body.
+    """The request body cannot be had: malformed framing, the client left mid-body, or
+    it went silent mid-body.
 
-    `malformed` tells the two apart: a malformed body gets 400; a departed client, nothing.
+    A malformed body gets 400; a silent client, 408 (`timed_out`); a departed one, nothing.
     """
 
-    def __init__(self, reason: str, *, malformed: bool) -> None:
+    def __init__(self, reason: str, *, malformed: bool, timed_out: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.malformed = malformed
+        self.timed_out = timed_out
 
 
 class BodySource(Protocol):
@@ -94,11 +96,11 @@ class RequestBody:
         self.complete = True
         self._wake()
 
-    def fail(self, reason: str, *, malformed: bool) -> None:
+    def fail(self, reason: str, *, malformed: bool, timed_out: bool = False) -> None:
         """The body will not complete; a reader waiting (or to come) gets BodyBroken."""
         if self.complete or self._broken is not None:
             return
-        self._broken = BodyBroken(reason, malformed=malformed)
+        self._broken = BodyBroken(reason, malformed=malformed, timed_out=timed_out)
         self._wake()
 
     def take(self) -> bytes:

@@ -39,7 +39,10 @@ __all__ = [
 # too_large: a streamed request body went over the body limit (the router answers 413).
 # bad_body: the client's request body was malformed (a bad chunk) after its head (400).
 # client_left: the client went away before the reply head (nothing left to answer).
-FailureKind = Literal["refused", "error", "timeout", "too_large", "bad_body", "client_left"]
+# client_timeout: the client's request body went silent (408; the worker is not blamed).
+FailureKind = Literal[
+    "refused", "error", "timeout", "too_large", "bad_body", "client_left", "client_timeout"
+]
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) plus the legacy ones proxies still see.
 # Any other `Proxy-*` name is dropped too (see `_is_hop_by_hop`).

@@ -627,9 +627,12 @@ class Forwarder:
 
 
 def _body_failure(broken: BodyBroken, *, request_sent: bool) -> UpstreamFailure:
-    """The failure a broken client body becomes: 400 when malformed, else the client left."""
+    """The failure a broken client body becomes: 400 when malformed, 408 when the client
+    went silent, else the client left."""
     if broken.malformed:
         return UpstreamFailure("bad_body", broken.reason, request_sent=request_sent)
+    if broken.timed_out:
+        return UpstreamFailure("client_timeout", broken.reason, request_sent=request_sent)
     return UpstreamFailure("client_left", broken.reason, request_sent=request_sent)
 
 

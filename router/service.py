@@ -426,6 +426,7 @@ def edge_limits(config: Config) -> EdgeLimits:
         max_line_bytes=limits.max_line_bytes,
         max_header_bytes=limits.max_header_bytes,
         max_headers=limits.max_headers,
+        body_timeout_s=limits.body_timeout_s,
     )
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from router.answers import AUTH_SCHEME, STATUS_BY_CODE, Answer, render
 
-# DESIGN §1, plus the hygiene answers of §8 and the shutdown answer.
+# DESIGN §1, plus the hygiene answers of §8, the shutdown answer and the silent body's.
 CONTRACT = {
     "worker_exited": 410,
     "episode_ended": 410,
@@ -26,6 +26,7 @@ CONTRACT = {
     "uri_too_long": 414,
     "headers_too_large": 431,
     "shutting_down": 503,
+    "request_timeout": 408,
 }
 
 

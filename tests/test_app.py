@@ -620,6 +620,27 @@ async def test_a_body_read_for_its_session_gets_100_continue_first(
     assert json.loads(reply)["body_bytes"] == len(body)
 
 
+async def test_a_body_read_for_its_session_that_goes_silent_gets_408(
+    rig: Rig, tmp_path: Path
+) -> None:
+    kind = SessionKindConfig("sid", body_field=BodyFieldConfig("/session_id"), unclaimed="forward")
+    limits = dataclasses.replace(LimitsConfig(), body_timeout_s=0.4)
+    router = await rig.start_router(router_config(tmp_path, sessions=(kind,), limits=limits))
+    worker = await rig.add_worker("w0")
+    conn = await RawHttp.open(router.public_port)
+    try:
+        headers = [("Content-Type", "application/json")]
+        conn.send(_head("POST", "/tool", router.public_port, headers, 100))
+        await asyncio.sleep(0.1)
+        conn.send(b'{"session_id": ')  # and no more
+        status, _, reply = await conn.read_reply()
+    finally:
+        conn.close()
+    assert status == 408
+    assert json.loads(reply)["error"] == "request_timeout"
+    assert worker.seen == []
+
+
 @pytest.mark.parametrize("body_with_head", [True, False], ids=["with-head", "after-answer"])
 async def test_an_unread_body_is_never_read_as_the_next_request(
     rig: Rig, body_with_head: bool

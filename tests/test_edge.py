@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 from router_fixtures import EchoWorker, RawHttp, Rig, open_rig, router_config
+from test_metrics import scrape, series
 
 from router.answers import Answer
-from router.config import LimitsConfig
+from router.config import LimitsConfig, TimeoutsConfig
 from router.edge import EdgeLimits, EdgeServer
 from router.edge_request import PublicRequest
 from router.edge_wire import HeadRefusal, head_refusal_answer
@@ -398,3 +399,50 @@ async def test_a_bad_head_behind_pipelined_requests_is_answered_after_them(
     # The two replies before the refusal keep the connection open for it.
     assert [headers.get("connection") for _, headers, _ in replies] == [None, None, "close"]
     assert worker.paths_seen() == ["/a", "/b"]
+
+
+async def test_a_body_that_goes_silent_gets_408_not_a_worker_timeout(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # The worker waits for the body: the silence is the client's, answered 408 at the
+    # body timeout, long before the worker's first-byte timeout would call it a 504.
+    await rig.start_router(
+        router_config(
+            tmp_path,
+            limits=limits(body_timeout_s=0.4),
+            timeouts=dataclasses.replace(TimeoutsConfig(), first_byte_s=30.0),
+        )
+    )
+    await rig.add_worker("w0")
+    conn = await RawHttp.open(rig.router.public_port)
+    try:
+        started = time.monotonic()
+        conn.send(b"POST /tool HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+        await asyncio.sleep(0.1)
+        conn.send(b"0123456789")  # a read of its own: the body spans reads
+        status, _, answer = await conn.read_reply()
+        assert 0.3 <= time.monotonic() - started < 5.0
+        assert await conn.read_to_end() == b""
+    finally:
+        conn.close()
+    assert status == 408
+    assert b'"request_timeout"' in answer
+    assert series(scrape(rig.router.metrics), "episode_router_upstream_failures_total") == {}
+
+
+async def test_a_body_that_keeps_coming_is_not_cut_by_the_body_timeout(
+    rig: Rig, tmp_path: Path
+) -> None:
+    conn, _ = await a_connection(rig, tmp_path, body_timeout_s=0.4)
+    try:
+        conn.send(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 8\r\n\r\nab")
+        for piece in (b"cd", b"ef", b"gh"):  # 0.75 s in all, never 0.4 s silent
+            await asyncio.sleep(0.25)
+            conn.send(piece)
+        status, _, _ = await conn.read_reply()
+        assert status == 200
+        # Kept alive, and the next request has no body clock left over.
+        await asyncio.sleep(0.5)
+        assert await status_of(conn, b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n") == 200
+    finally:
+        conn.close()

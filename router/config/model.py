@@ -259,6 +259,8 @@ class LimitsConfig:
     idle_timeout_s: float = 75.0
     # Apache's LimitRequestLine and aiohttp's max_line_size.
     max_line_bytes: int = 8190
+    # nginx's client_body_timeout: the longest silence while a request body arrives.
+    body_timeout_s: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)

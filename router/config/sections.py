@@ -60,7 +60,7 @@ _CLAIMS_KEYS: Final = (
 )
 _LIMITS_KEYS: Final = (
     *("max_header_bytes", "max_headers", "max_body_bytes"),
-    *("header_timeout_s", "idle_timeout_s", "max_line_bytes"),
+    *("header_timeout_s", "idle_timeout_s", "max_line_bytes", "body_timeout_s"),
 )
 _TIMEOUTS_KEYS: Final = ("connect_s", "first_byte_s", "stream_idle_s", "shutdown_grace_s")
 
@@ -206,6 +206,7 @@ def _limits(sec: _Section) -> LimitsConfig:
         header_timeout_s=sec.seconds("header_timeout_s", d.header_timeout_s),
         idle_timeout_s=sec.seconds("idle_timeout_s", d.idle_timeout_s),
         max_line_bytes=sec.integer("max_line_bytes", d.max_line_bytes),
+        body_timeout_s=sec.seconds("body_timeout_s", d.body_timeout_s),
     )
 
 
