@@ -221,6 +221,7 @@ class EdgeConnection(asyncio.Protocol):
         "_handler",
         "_headers",
         "_host",
+        "_host_repeated",
         "_in_head",
         "_keeps_alive",
         "_length_text",
@@ -456,6 +457,7 @@ class EdgeConnection(asyncio.Protocol):
         self._host: str | None = None
         self._expect: bytes | None = None
         self._upgrade_seen = False
+        self._host_repeated = False
 
     def on_url(self, url: bytes) -> None:
         if not self._in_head:
@@ -492,10 +494,11 @@ class EdgeConnection(asyncio.Protocol):
         # four headers (callgrind, compiled).
         size = len(name)
         if size == 4:
-            if self._host is None and (
-                name == b"Host" or name == b"host" or name.lower() == b"host"
-            ):
-                self._host = _host_text(value)
+            if name == b"Host" or name == b"host" or name.lower() == b"host":
+                if self._host is None:
+                    self._host = _host_text(value)
+                else:
+                    self._host_repeated = True
         elif size == 14:
             if self._length_text is None and (
                 name == b"Content-Length"
@@ -554,6 +557,14 @@ class EdgeConnection(asyncio.Protocol):
             version_text = parser.get_http_version()
             version = _VERSIONS.get(version_text) or _version(version_text)
         target, authority = _target_of(self._url)
+        if self._host_repeated or (
+            self._host is None and authority is None and version >= _HTTP_11
+        ):
+            # RFC 9112 §3.2: 400 for an HTTP/1.1 request with no Host (unless its target
+            # names the authority) or with more than one, which two hops could each read
+            # differently (nginx refuses both the same way).
+            self._refusal_kind = HeadRefusal.BAD_HOST
+            raise _HeadLimit
         request = PublicRequest(
             method,
             target,
@@ -826,7 +837,9 @@ class EdgeConnection(asyncio.Protocol):
             and answer.code != "bad_request"
             and request.body_complete
         )
-        head = answer_head(status, headers, len(body), keep_alive=keep_alive)
+        head = answer_head(
+            status, headers, len(body), keep_alive=keep_alive, version_11=request.version_11
+        )
         self._write(head + body if request.method != "HEAD" else head)
         self._replied = True
         self._reply_keep_alive = keep_alive

@@ -51,6 +51,7 @@ class HeadRefusal(enum.Enum):
     FIELD_TOO_LONG = "field_too_long"
     TOO_MANY_HEADERS = "too_many_headers"
     UPGRADE_WITH_BODY = "upgrade_with_body"
+    BAD_HOST = "bad_host"
 
 
 def head_refusal_answer(refusal: HeadRefusal, parser_error: str = "") -> Answer:
@@ -66,6 +67,8 @@ def head_refusal_answer(refusal: HeadRefusal, parser_error: str = "") -> Answer:
             "bad_request",
             "An Upgrade or CONNECT request with a body is not served: no protocol is tunnelled.",
         )
+    if refusal is HeadRefusal.BAD_HOST:
+        return Answer("bad_request", "An HTTP/1.1 request needs exactly one Host header.")
     text = parser_error.strip().rstrip(".")
     detail = f"The request is malformed: {text[:120]}." if text else "The request is malformed."
     return Answer("bad_request", detail)
@@ -193,15 +196,23 @@ def reply_head(
 
 
 def answer_head(
-    status: int, headers: Iterable[tuple[str, str]], body_length: int, *, keep_alive: bool
+    status: int,
+    headers: Iterable[tuple[str, str]],
+    body_length: int,
+    *,
+    keep_alive: bool,
+    version_11: bool = True,
 ) -> bytes:
-    """The head of one of the router's own answers (always HTTP/1.1, always a length)."""
+    """The head of one of the router's own answers (always HTTP/1.1, always a length).
+    An HTTP/1.0 client kept alive is told so: it would take the connection as closing."""
     lines = [f"HTTP/1.1 {status} {_REASONS.get(status, '')}"]
     lines.extend([f"{name}: {value}" for name, value in headers])
     lines.append(f"Content-Length: {body_length}")
     lines.append(f"Date: {date_header()}")
     if not keep_alive:
         lines.append("Connection: close")
+    elif not version_11:
+        lines.append("Connection: keep-alive")
     return _encode(lines)
 
 

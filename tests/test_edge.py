@@ -224,8 +224,8 @@ async def requests_read(data: bytes) -> list[PublicRequest]:
     ("head", "version", "keep_alive"),
     [
         (b"GET / HTTP/1.1\r\nHost: h\r\n", (1, 1), True),
-        (b"GET / HTTP/1.1\r\nConnection: close\r\n", (1, 1), False),
-        (b"GET / HTTP/1.1\r\nConnection: keep-alive\r\n", (1, 1), True),
+        (b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n", (1, 1), False),
+        (b"GET / HTTP/1.1\r\nHost: h\r\nConnection: keep-alive\r\n", (1, 1), True),
         (b"GET / HTTP/1.0\r\nHost: h\r\n", (1, 0), False),
         (b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n", (1, 0), True),
         (b"GET / HTTP/1.0\r\nProxy-Connection: Keep-Alive\r\n", (1, 0), True),
@@ -446,3 +446,49 @@ async def test_a_body_that_keeps_coming_is_not_cut_by_the_body_timeout(
         assert await status_of(conn, b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n") == 200
     finally:
         conn.close()
+
+
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        (b"GET /none HTTP/1.1\r\n", 400),
+        (b"GET /two HTTP/1.1\r\nHost: a\r\nHost: b\r\n", 400),
+        (b"GET /two-same HTTP/1.1\r\nHost: a\r\nhost: a\r\n", 400),
+        (b"GET /old HTTP/1.0\r\n", 200),  # HTTP/1.0 needs none
+        (b"GET http://a/abs HTTP/1.1\r\n", 200),  # the target names the authority
+        (b"GET /one HTTP/1.1\r\nHost: a\r\n", 200),
+    ],
+    ids=["missing", "repeated", "repeated-same", "http10", "absolute-form", "one"],
+)
+async def test_an_http11_request_needs_exactly_one_host(
+    rig: Rig, tmp_path: Path, head: bytes, status: int
+) -> None:
+    # RFC 9112 §3.2; two Host lines could be read differently by the next hop.
+    conn, worker = await a_connection(rig, tmp_path)
+    try:
+        conn.send(head + b"\r\n")
+        answered, _, answer = await conn.read_reply()
+    finally:
+        conn.close()
+    assert answered == status
+    if status == 400:
+        assert b"exactly one Host" in answer
+        assert worker.paths_seen() == []
+    else:
+        assert len(worker.paths_seen()) == 1
+
+
+async def test_an_answer_to_an_http10_client_kept_alive_says_so(rig: Rig, tmp_path: Path) -> None:
+    # An HTTP/1.0 client takes a reply without `Connection: keep-alive` as the last one.
+    await rig.start_router(router_config(tmp_path))  # no worker: the router answers 503
+    conn = await RawHttp.open(rig.router.public_port)
+    try:
+        request = b"GET /a HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"
+        conn.send(request)
+        first, headers, _ = await conn.read_reply()
+        conn.send(request)  # the same connection serves the next one
+        second, _, _ = await conn.read_reply()
+    finally:
+        conn.close()
+    assert (first, second) == (503, 503)
+    assert headers["connection"] == "keep-alive"

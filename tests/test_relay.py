@@ -290,7 +290,7 @@ GET_11 = b"GET / HTTP/1.1\r\nHost: h\r\n"
     [
         (GET_11, SIZED, True),
         # The router adds a Connection header, or speaks HTTP/1.0, or drops a header.
-        (b"GET / HTTP/1.1\r\nConnection: close\r\n", SIZED, False),
+        (b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n", SIZED, False),
         (b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n", SIZED, False),
         (GET_11, SIZED.replace(b"Date", b"Keep-Alive: timeout=5\r\nDate"), False),
         # The router frames a body with no length, and keeps a 204 free of one.
