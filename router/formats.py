@@ -67,10 +67,8 @@ FormatErrorCode = RefusalCode
 _STARLETTE: Final = re.compile(r"([A-Za-z0-9+/]+={0,2})\.([A-Za-z0-9_-]+)\.([A-Za-z0-9_-]+)")
 # itsdangerous URLSafeSerializer: ["."] base64url(json or zlib(json)) "." base64url(signature).
 _URLSAFE: Final = re.compile(r"(\.?)([A-Za-z0-9_-]+)\.([A-Za-z0-9_-]+)")
-# RFC 6265 §4.1.1: cookie-name is an RFC 2616 token; cookie-octet excludes CTLs, space,
-# DQUOTE, comma, semicolon and backslash.
+# RFC 6265 §4.1.1: cookie-name is an RFC 2616 token (values: see parse_cookie_header).
 _COOKIE_NAME: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_COOKIE_VALUE: Final = re.compile(r"[\x21\x23-\x2b\x2d-\x3a\x3c-\x5b\x5d-\x7e]*")
 _MAX_AGE: Final = re.compile(r"-?[0-9]+")
 _ARRAY_INDEX: Final = re.compile(r"0|[1-9][0-9]*")
 _POINTER_ESCAPE: Final = re.compile(r"~(?![01])")
@@ -280,26 +278,42 @@ def _inflate(data: bytes) -> bytes:
 def parse_cookie_header(values: Sequence[str]) -> dict[str, list[str]]:
     """Every cookie in the request's Cookie header lines: name -> all its values, in order.
 
-    RFC 6265 §4.2.1 grammar: `name=value` pairs separated by ";" (spaces around
-    a pair are tolerated); a value in double quotes loses them. A pair that
-    does not fit the grammar is skipped, never an error. Several values under
-    one name let the caller notice a cookie repeated with different values.
+    Read as the servers behind the router read them (Starlette's cookie parser, over
+    Python's http.cookies), not by RFC 6265's stricter grammar: `name=value` pairs
+    separated by ";", whitespace around name and value dropped, any value kept, and a
+    value in double quotes unquoted with its backslash escapes (`_unquote`). A value
+    the grammar forbids (a space, a comma) still reaches the worker, which reads it:
+    skipping it here would route the request as if it named no session, or by
+    another source or another copy of the cookie than the worker reads. A pair with
+    no "=" or a name no cookie may have is skipped. Several values under one name let
+    the caller notice a cookie repeated with different values.
     """
     cookies: dict[str, list[str]] = {}
     for line in values:
         for pair in line.split(";"):
-            name, sep, raw = pair.strip(" \t").partition("=")
-            value = _unquote(raw) if sep and _COOKIE_NAME.fullmatch(name) else None
-            if value is not None:
-                cookies.setdefault(name, []).append(value)
+            name, sep, raw = pair.partition("=")
+            name = name.strip()
+            if sep and _COOKIE_NAME.fullmatch(name):
+                cookies.setdefault(name, []).append(_unquote(raw.strip()))
     return cookies
 
 
-def _unquote(value: str) -> str | None:
-    """The cookie-value without its optional double quotes, or None if it is not one."""
-    if len(value) >= 2 and value[0] == value[-1] == '"':
-        value = value[1:-1]
-    return value if _COOKIE_VALUE.fullmatch(value) else None
+# A backslash escape in a quoted cookie value: three octal digits, or any one character.
+_COOKIE_ESCAPE: Final = re.compile(r"\\(?:([0-3][0-7][0-7])|(.))", re.DOTALL)
+
+
+def _unquote(value: str) -> str:
+    """A cookie value as http.cookies reads it: one in double quotes loses them, and
+    its escapes (`\\054` for a comma, `\\"` for a quote) become what they stand for,
+    as Python's servers send them (`set_cookie("s", "a,b")` sends `s="a\\054b"`)."""
+    if len(value) < 2 or value[0] != '"' or value[-1] != '"':
+        return value
+    return _COOKIE_ESCAPE.sub(_unescaped, value[1:-1])
+
+
+def _unescaped(match: re.Match[str]) -> str:
+    octal = match.group(1)
+    return chr(int(octal, 8)) if octal is not None else match.group(2)
 
 
 def set_cookie_value(
@@ -311,8 +325,8 @@ def set_cookie_value(
     value, `Max-Age` zero or below, or (only when `now`, wall-clock seconds, is
     given) an `Expires` at or before `now` with no `Max-Age` (RFC 6265 §5.3:
     Max-Age wins). Starlette clears a session with `null; expires=1970`, so
-    callers that can should pass `now`. Surrounding double quotes are removed,
-    as `parse_cookie_header` removes them.
+    callers that can should pass `now`. A quoted value is unquoted as
+    `parse_cookie_header` unquotes it, so what is learned is what is read back.
     """
     found: str | None = None
     for line in set_cookie_values:
@@ -320,9 +334,7 @@ def set_cookie_value(
         cookie_name, sep, value = pair.partition("=")
         if not sep or cookie_name.strip(" \t") != name:
             continue
-        value = value.strip(" \t")
-        if len(value) >= 2 and value[0] == value[-1] == '"':
-            value = value[1:-1]
+        value = _unquote(value.strip(" \t"))
         found = None if not value or _deletes(attributes, now) else value
     return found
 

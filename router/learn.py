@@ -66,7 +66,8 @@ def plan_learning(
         # The MCP session this DELETE ends is its own Mcp-Session-Id, even when the
         # request was routed by a stronger source (the episode token travels on it).
         values = headers.getall(mcp.header or "", [])
-        if len(values) == 1:
+        # The same id repeated is one id, as the head's reading took it (routed by it).
+        if values and all(value == values[0] for value in values):
             try:
                 mcp_release = mcp_session_key(values[0])
             except FormatError:

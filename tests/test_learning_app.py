@@ -782,3 +782,99 @@ async def test_a_seed_reply_body_the_router_cannot_read_is_relayed_and_teaches_n
         assert_tool_reply(by_token, session, 2)
     else:
         by_token.assert_answer(401, "unknown_episode", sid)
+
+
+# --- cookies and MCP ids as the workers read them ---------------------------------------------
+
+
+async def test_an_mcp_delete_with_its_session_id_repeated_alike_releases_it(rig: Rig) -> None:
+    workers = await start(rig, 1, kinds("mcp_session"))
+    reply = await rig.request("POST", "/mcp", data=b"{}")
+    sid = reply.headers["Mcp-Session-Id"]
+
+    # The same id twice is one id: it routed the DELETE, and ends with it.
+    repeated = [("Mcp-Session-Id", sid), ("Mcp-Session-Id", sid)]
+    deleted = await rig.request("DELETE", "/mcp", headers=repeated)
+
+    assert deleted.status == 200 and sid not in workers["w0"].mcp_sessions
+    assert (await session_view(rig, "mcp_session", sid))["state"] == "episode_ended"
+    after = await rig.request("POST", "/mcp", headers={"Mcp-Session-Id": sid}, data=b"{}")
+    after.assert_answer(404, "unknown_session", sid)
+
+
+@pytest.mark.parametrize("value", ["a,b", "a b", 'a"b'])
+async def test_a_session_cookie_off_the_rfc_grammar_still_decides(rig: Rig, value: str) -> None:
+    # The worker reads it (Starlette's parser takes any value): it is the cookie source
+    # present, and decides (401 here), never a weaker source behind it.
+    await start(rig, 2, kinds("resources", "rollout"))
+    await rig.request("POST", "/rollouts")
+    rollout = (await rig.request("POST", "/rollouts")).json()["id"]
+    headers = [("Content-Type", "application/json"), ("Cookie", f"{COOKIE}={value}")]
+    body = json.dumps({"rollout_id": rollout}).encode()
+
+    reply = await rig.request("POST", "/rollouts/step", headers=headers, data=body)
+
+    assert reply.status == 401 and reply.json()["error"] == "invalid_token"
+
+
+@pytest.mark.parametrize("other", ["x,y", "x y", 'x"y'])
+async def test_a_session_cookie_repeated_with_an_off_grammar_value_is_ambiguous(
+    rig: Rig, other: str
+) -> None:
+    await start(rig, 2, kinds("resources"))
+    seeded = await seed(rig)
+    headers = [("Cookie", f"{COOKIE}={seeded.cookie}; {COOKIE}={other}")]
+
+    reply = await rig.request("POST", "/tools/add", headers=headers)
+
+    assert reply.status == 400 and reply.json()["error"] == "ambiguous_session"
+
+
+RAW_COOKIE = parse_config(
+    "sessions: [{name: sess, cookie: {name: sess, format: raw}, seed: {method: POST, path: /seed}}]"
+).sessions
+
+
+async def test_a_raw_cookie_learned_quoted_is_read_back_as_the_worker_reads_it(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # Python's servers quote a value with a space or a comma (`sess="w1 1"`, a comma
+    # as \054): the key learned from Set-Cookie is the key read from Cookie, and the
+    # worker's own reading of it.
+    statics = []
+    for wid in ("w0", "w1"):
+        minted = iter(range(1, 100))
+
+        async def seeded(
+            request: web.Request, wid: str = wid, minted: Any = minted
+        ) -> web.Response:
+            reply = web.json_response({"worker": wid})
+            reply.set_cookie("sess", f"{wid} {next(minted)},x")
+            return reply
+
+        async def whoami(request: web.Request, wid: str = wid) -> web.Response:
+            return web.json_response({"worker": wid, "cookie": request.cookies.get("sess")})
+
+        app = web.Application()
+        app.router.add_post("/seed", seeded)
+        app.router.add_get("/whoami", whoami)
+        app.router.add_get("/health", whoami)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        rig.stack.push_async_callback(runner.cleanup)
+        statics.append(StaticWorkerConfig(wid, f"http://127.0.0.1:{runner.addresses[0][1]}"))
+    config = router_config(
+        tmp_path, workers=tuple(statics), health=FAST_PROBES, sessions=RAW_COOKIE
+    )
+    await rig.start_router(config)
+
+    for _ in range(2):  # one session on each worker
+        reply = await rig.request("POST", "/seed")
+        pair = reply.headers.getall("Set-Cookie")[0].split(";")[0]
+        assert pair.startswith('sess="')  # quoted by http.cookies
+        key = f"{reply.worker} 1,x"
+        assert (await session_view(rig, "sess", key))["worker"] == reply.worker
+        back = await rig.request("GET", "/whoami", headers={"Cookie": pair})
+        assert back.json() == {"worker": reply.worker, "cookie": key}
