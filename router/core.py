@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 
 from router.answers import Answer
 from router.claims import Claim, ClaimRefusal, ClaimState, ClaimTable, SyncResult
@@ -106,6 +106,14 @@ class TickResult:
     recovery_ended: bool = False
 
 
+# Exited workers the registry keeps (for the admin API and the per-worker metrics), the
+# longest gone forgotten past this many: worker ids come and go (a pool that restarts
+# with fresh ids, or a peer inventing them), and each one kept costs memory and metric
+# series. A forgotten worker's sessions stay 410 worker_exited (route needs no worker
+# for that); configured (static) workers are always kept, probed to come back.
+MAX_EXITED_WORKERS: Final = 1024
+
+
 class RouterCore:
     """Claims, workers and the recovery window of one router process."""
 
@@ -128,6 +136,7 @@ class RouterCore:
         self._recovery_ends_at: float | None = now + settings.recovery_window_s
         self._expected: set[str] = set()  # workers to hear from before recovery ends early
         self._recovered: set[str] = set()
+        self._exited: dict[str, None] = {}  # exited non-static worker ids, oldest first
         self.conflicts = 0
         self.learned = 0
         self.learn_conflicts = 0
@@ -237,6 +246,7 @@ class RouterCore:
             if worker.drained_by_worker:
                 worker.draining = worker.drained_by_worker = False
         worker.url, worker.boot, worker.origin = url, boot, origin
+        self._exited.pop(worker_id, None)
         worker.state = WorkerState.LIVE
         worker.lost_since = None
         worker.last_heard = now
@@ -261,7 +271,23 @@ class RouterCore:
         count = self.claims.worker_exited(worker.id, now)
         self.journal.exited(worker.id)
         self.on_retire(worker)
+        self._forget_long_exited(worker)
         return count
+
+    def _forget_long_exited(self, worker: Worker) -> None:
+        """Notes `worker` as the latest to exit, and forgets the longest exited past
+        MAX_EXITED_WORKERS (see there)."""
+        if worker.origin is WorkerOrigin.STATIC:
+            return
+        exited = self._exited
+        exited.pop(worker.id, None)
+        exited[worker.id] = None
+        while len(exited) > MAX_EXITED_WORKERS:
+            oldest = next(iter(exited))
+            del exited[oldest]
+            kept = self.workers.get(oldest)
+            if kept is not None and kept.state is WorkerState.EXITED:
+                self.workers.remove(oldest)
 
     def remove(self, worker: Worker, now: float) -> None:
         """Forget a worker the config no longer lists: its sessions become `worker_exited`
@@ -271,6 +297,7 @@ class RouterCore:
             self.retire(worker, now)
         if self.workers.get(worker.id) is worker:
             self.workers.remove(worker.id)
+        self._exited.pop(worker.id, None)
         self._expected.discard(worker.id)
         self._maybe_end_recovery(now)
 

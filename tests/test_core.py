@@ -35,7 +35,7 @@ from playbook import (
 
 from router.answers import Answer
 from router.claims import ClaimRefusal, SyncResult
-from router.core import CoreSettings, Forward, RouterCore
+from router.core import MAX_EXITED_WORKERS, CoreSettings, Forward, RouterCore
 from router.workers import WorkerOrigin
 
 STATIC = WorkerOrigin.STATIC
@@ -594,3 +594,27 @@ def test_a_removed_static_worker_is_forgotten_and_its_sessions_stay_410() -> Non
     assert core.probe_result(s1, "ok", 0, 4.0)  # a late probe's answer changes the object...
     picked = core.balance(None)
     assert isinstance(picked, Forward) and picked.worker is s0  # ...but brings nothing back
+
+
+def test_only_the_latest_exited_workers_are_kept_and_their_sessions_stay_410() -> None:
+    settings = replace(SETTINGS, recovery_window_s=0.0, max_tombstones=10_000)
+    core = RouterCore(settings, 0.0)
+    static = core.register("s0", U0, STATIC, 0.0)
+    core.retire(static, 0.0)  # configured: kept whatever the count, probed to come back
+    count = MAX_EXITED_WORKERS + 10
+    for i in range(count):  # a pool whose every process had a fresh id
+        worker = core.register(f"c{i}", U1, WorkerOrigin.CONTROL, 1.0, boot=f"b{i}")
+        assert core.claims.claim("episode", f"ep{i}", worker.id, 1.0) is None
+        core.retire(worker, 2.0)
+
+    kept = {w.id for w in core.workers}
+    assert kept == {"s0"} | {f"c{i}" for i in range(10, count)}
+    for i in (0, count - 1):  # forgotten or kept, its sessions answer the same
+        answer = core.route("episode", f"ep{i}", 3.0)
+        assert isinstance(answer, Answer) and answer.code == "worker_exited"
+    back = core.register("c0", U1, WorkerOrigin.CONTROL, 4.0, boot="new")
+    assert back.state.value == "live" and len(core.workers) == MAX_EXITED_WORKERS + 2
+    core.retire(core.workers.get("c10") or back, 5.0)  # c10 exits again: now the latest
+    core.retire(back, 5.0)
+    assert "c10" in {w.id for w in core.workers}
+    assert "c11" not in {w.id for w in core.workers}  # the longest exited went instead
