@@ -23,14 +23,23 @@ class TokenCache:
     HS256 token (bench.micro --only tokens). Only a token that passed every check is
     kept, under its full text, signature included: a token that differs in any byte is
     parsed anew. Expiry is checked on every hit; an expired entry is parsed again, so
-    the refusal says why. At most `max_entries` are kept, the oldest dropped first.
+    the refusal says why. At most `max_entries` are kept, holding at most `max_bytes` of
+    token text (tokens may be up to 4 KiB: without a verifier, any well-formed one is
+    kept), the oldest dropped first.
     """
 
-    __slots__ = ("_entries", "_max_entries", "_verifier")
+    __slots__ = ("_bytes", "_entries", "_max_bytes", "_max_entries", "_verifier")
 
-    def __init__(self, verifier: TokenVerifier | None, max_entries: int = 16_384) -> None:
+    def __init__(
+        self,
+        verifier: TokenVerifier | None,
+        max_entries: int = 16_384,
+        max_bytes: int = 8 << 20,
+    ) -> None:
         self._verifier = verifier
         self._max_entries = max_entries
+        self._max_bytes = max_bytes
+        self._bytes = 0  # the length of every token kept
         self._entries: dict[str, tuple[str, int | None]] = {}
 
     def __len__(self) -> int:
@@ -44,10 +53,17 @@ class TokenCache:
             if exp is None or exp > now:
                 return key
             del self._entries[token]
+            self._bytes -= len(token)
         claims = parse_token(token, now=now, verifier=self._verifier)
         entries = self._entries
-        if len(entries) >= self._max_entries:
-            del entries[next(iter(entries))]  # dicts keep insertion order: the oldest
+        size = len(token)
+        while entries and (
+            len(entries) >= self._max_entries or self._bytes + size > self._max_bytes
+        ):
+            oldest = next(iter(entries))  # dicts keep insertion order
+            del entries[oldest]
+            self._bytes -= len(oldest)
         key = claims.key
         entries[token] = (key, claims.exp)
+        self._bytes += size
         return key

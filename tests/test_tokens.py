@@ -1101,3 +1101,21 @@ def test_the_cache_keeps_at_most_its_bound_dropping_the_oldest() -> None:
     assert len(cache) == 3
     assert cache.key(tokens[0], NOW) == "ep0-a0"  # parsed again, and kept again
     assert len(cache) == 3
+
+
+def test_the_cache_holds_at_most_its_bytes_of_token_text_dropping_the_oldest() -> None:
+    # Unverified, any well-formed token is kept: up to 4 KiB each, the count bound
+    # alone would let hostile ones pin 64 MiB.
+    tokens = [
+        mint_token(ep=f"ep{i}", att=0, nonce="n" * 256, key=KEYS["HS256"], iat=1) for i in range(6)
+    ]
+    size = len(tokens[0])
+    assert all(len(token) == size for token in tokens)
+    cache = TokenCache(None, max_bytes=3 * size + 10)
+    for token in tokens:
+        cache.key(token, NOW)
+    assert len(cache) == 3  # the last three: 3 * size fits, a fourth would not
+    assert cache.key(tokens[5], NOW) == "ep5-a0"
+    assert len(cache) == 3
+    assert cache.key(tokens[0], NOW) == "ep0-a0"  # parsed again, kept, the oldest dropped
+    assert len(cache) == 3
