@@ -7,13 +7,12 @@ shown. Reads the core; changes nothing but a worker's drain flag.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import time
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from router.config import ConfigError
+from router.config import ConfigError, is_loopback_host
 from router.workers import Worker, WorkerState
 
 if TYPE_CHECKING:
@@ -41,24 +40,17 @@ def admin_application(service: RouterService) -> web.Application:
 async def _require_token(request: web.Request, handler: Any) -> web.StreamResponse:
     """Off loopback, everything but health and metrics needs the bearer token."""
     service = request.app[_SERVICE]
-    if request.path not in _OPEN_PATHS and not _is_loopback(service.config.admin.host):
+    if request.path not in _OPEN_PATHS and not is_loopback_host(service.config.admin.host):
         token = service.config.admin.token or ""
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        # Header bytes that are not UTF-8 arrive surrogate-escaped: turned back into the
+        # bytes that were sent, they are simply a wrong token (401), not an encode error.
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, f"Bearer {token}".encode()):
             return web.json_response(
                 {"error": "unauthorized", "detail": "A bearer token is required."}, status=401
             )
     response: web.StreamResponse = await handler(request)
     return response
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 async def _healthz(request: web.Request) -> web.Response:

@@ -5,14 +5,17 @@ section into what the running router applies (session kinds, static workers,
 health probes, claims, limits, timeouts, logging, control-socket policy) and
 what only a restart can change (listen and admin addresses, the control socket
 path, spawn, the journal path). The claim table and in-flight requests are
-never touched by a reload. Pure: no I/O.
+never touched by a reload. The router then runs a mix of two files (the new
+one, with the restart-only sections it runs now), and `effective_config`
+refuses a mix that would not pass the checks every config passes at start.
+Pure: no I/O.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from router.config import Config, ControlConfig
+from router.config import Config, ConfigError, ControlConfig, check_config
 
 # Sections a running router cannot change: they name sockets it holds open or
 # processes and files it owns. The reason is said back to the operator.
@@ -55,11 +58,26 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
     return ReloadPlan(tuple(applied), tuple(restart))
 
 
-def effective_config(old: Config, new: Config) -> Config:
-    """The config the router runs after the reload: `new`, except what needs a restart."""
+def effective_config(old: Config, new: Config, *, source: str = "<config>") -> Config:
+    """The config the router runs after the reload: `new`, except what needs a restart.
+
+    Raises ConfigError (prefixed with `source`, the new file) when that mix fails
+    the checks every config passes at start: a file that drops the secret along
+    with a move off the running tcp:// control socket, a static worker at the
+    running public port, one with a running spawned worker's id.
+    """
     kept = {name: getattr(old, name) for name in RESTART_ONLY}
     control = replace(new.control, socket=old.control.socket)
-    return replace(new, control=control, **kept)
+    target = replace(new, control=control, **kept)
+    try:
+        check_config(target, source=source)
+    except ConfigError as exc:
+        reason = f"{exc.reason} (with the running {_KEPT}, which only a restart changes)"
+        raise ConfigError(exc.source, exc.key_path, reason) from None
+    return target
+
+
+_KEPT = ", ".join([*RESTART_ONLY, *(f"control.{key}" for key in CONTROL_RESTART_ONLY)])
 
 
 def _control_changes(before: ControlConfig, after: ControlConfig) -> tuple[list[str], list[str]]:

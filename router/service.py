@@ -15,7 +15,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 from aiohttp import web
@@ -133,6 +133,26 @@ class RouterService:
     # -- start / stop --------------------------------------------------------
 
     async def start(self) -> None:
+        """Bring everything up (see the module docstring).
+
+        Raises OSError when a socket cannot be bound (another router holds the
+        control socket, a port is taken) and ValueError for a spawn setup that
+        cannot start. What started before the failure is stopped first: spawned
+        workers, listeners, the journal, the control socket and its file.
+        """
+        try:
+            await self._start()
+        except BaseException:
+            # Spawned workers run in sessions of their own: left alone they would be
+            # re-parented to init and outlive us, holding their ports; the socket file
+            # would stay behind too.
+            try:
+                await self.stop()
+            except Exception:  # the start's own error is the one to report
+                log.exception("stopping what a failed start had started failed")
+            raise
+
+    async def _start(self) -> None:
         config = self.config
         self.control.bind(config.control.socket)  # first: it fails if another router runs
         if config.state.path is not None:
@@ -146,11 +166,13 @@ class RouterService:
             self.prober.start()
         if config.spawn is not None:
             await self._start_spawner()
-        self._public = await self._serve_public()
+        with _naming_the_listener("listen", config.listen.host, config.listen.port):
+            self._public = await self._serve_public()
         self.public_port = int(self._public.sockets[0].getsockname()[1])
-        self._admin = await self._listen(
-            admin_application(self), config.admin.host, config.admin.port
-        )
+        with _naming_the_listener("admin", config.admin.host, config.admin.port):
+            self._admin = await self._listen(
+                admin_application(self), config.admin.host, config.admin.port
+            )
         self.admin_port = _bound_port(self._admin)
         self._spawn_task(self._tick_forever(), "tick")
         log.info(
@@ -240,7 +262,11 @@ class RouterService:
     async def _start_site(self, runner: web.BaseRunner, host: str, port: int) -> web.BaseRunner:
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_address=True)
-        await site.start()
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()  # not ours to keep: stop() only knows a started runner
+            raise
         return runner
 
     async def _start_spawner(self) -> None:
@@ -330,10 +356,15 @@ class RouterService:
     def reload(self, new: Config) -> ReloadPlan:
         """Apply what `new` changes that a running router can change (see
         router.reload); the claim table and in-flight requests are untouched.
-        Raises ValueError, before changing anything, if `new` cannot be applied."""
+        Raises ConfigError (the running restart-only sections and `new` do not go
+        together) or ValueError, before changing anything, if `new` cannot be applied."""
         plan = plan_reload(self.config, new)
-        target = effective_config(self.config, new)
+        target = effective_config(self.config, new, source=self.config_path or "<reload>")
         reader = SessionReader(session_kinds(target))  # may raise: nothing applied yet
+        if self.spawner is not None:
+            # Workers it starts from now on must say hello with the secret the control
+            # policy below will check (may raise ValueError: still nothing applied).
+            self.spawner.set_secret(target.control.secret)
         self.core.settings = core_settings(target)
         self.core.claims.tombstone_ttl_s = target.claims.tombstone_ttl_s
         self.core.claims.max_tombstones = target.claims.max_tombstones
@@ -436,6 +467,19 @@ def _reload_on_signal(service: RouterService) -> None:
         service.reload_from_file()
     except (ConfigError, ValueError, LookupError) as exc:
         log.error("config reload refused; the running config stays", extra={"reason": str(exc)})
+
+
+@contextlib.contextmanager
+def _naming_the_listener(section: str, host: str, port: int) -> Iterator[None]:
+    """A bind failure says which config section's address it was: asyncio's message
+    names the address only, and the operator has two listeners to look at."""
+    try:
+        yield
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        named = OSError(f"{section} {host}:{port}: {reason}")  # str(): the message alone
+        named.errno = exc.errno
+        raise named from exc
 
 
 def _bound_port(runner: web.BaseRunner) -> int:

@@ -100,12 +100,10 @@ class Spawner:
         # The pid of a worker adopted from a previous run (we have no Process for it).
         self._adopted_pid = adopted_pid
         self._argv = {w.worker_id: render_command(spec, w) for w in self.workers}
-        self._env = {
-            w.worker_id: child_env(
-                w, control_address, secret, extra_env or {}, inherited=os.environ
-            )
-            for w in self.workers
-        }
+        self._control_address = control_address
+        self._extra_env = dict(extra_env or {})
+        self._inherited = dict(os.environ)  # the router's environment when it started
+        self._secret = secret
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._supervisors: dict[str, asyncio.Task[None]] = {}
         self._stopping = asyncio.Event()
@@ -129,6 +127,13 @@ class Spawner:
             self._supervisors[worker.worker_id] = task
             first_starts.append(first_start)
         await asyncio.gather(*first_starts)
+
+    def set_secret(self, secret: str | None) -> None:
+        """Give every worker started from now on `secret` (a reload rotated it); running
+        ones keep the one they started with. Raises ValueError for a secret that no
+        environment can hold, changing nothing."""
+        check_env({}, self._control_address, secret)
+        self._secret = secret
 
     def pid(self, worker_id: str) -> int | None:
         """Return the pid of the worker's running process, or None (not running, or unknown)."""
@@ -175,11 +180,15 @@ class Spawner:
         if self._stopping.is_set():
             return None, time.monotonic()  # stopped while adopting: start nothing
         argv = self._argv[worker.worker_id]
+        # Built at each launch, not once: a restart after a reload gets the current secret.
+        env = child_env(
+            worker, self._control_address, self._secret, self._extra_env, inherited=self._inherited
+        )
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=subprocess.DEVNULL,
-                env=self._env[worker.worker_id],
+                env=env,
                 start_new_session=True,
             )
         except (OSError, subprocess.SubprocessError) as exc:
@@ -221,9 +230,18 @@ class Spawner:
         if pid is None:
             logger.warning("spawn: worker %s: adopted, pid unknown: left running", worker.worker_id)
             return
-        _signal_group(pid, signal.SIGTERM)
-        if not await _members_gone_by(pid, time.monotonic() + self.spec.stop_timeout_s):
-            _signal_group(pid, signal.SIGKILL)
+        pgid = _adopted_group(worker, pid)
+        if pgid is None:
+            return
+        _signal_group(pgid, signal.SIGTERM)
+        if await _members_gone_by(pgid, time.monotonic() + self.spec.stop_timeout_s):
+            return
+        logger.warning(
+            "spawn: worker %s (adopted) still running %.1f s after SIGTERM; sending SIGKILL",
+            worker.worker_id,
+            self.spec.stop_timeout_s,
+        )
+        _signal_group(pgid, signal.SIGKILL)
 
     async def _wait_exit_or_stop(
         self, worker: SpawnedWorker, proc: asyncio.subprocess.Process
@@ -301,6 +319,34 @@ async def _port_listening(host: str, port: int) -> bool:
     with contextlib.suppress(OSError):
         await writer.wait_closed()
     return True
+
+
+def _adopted_group(worker: SpawnedWorker, pid: int) -> int | None:
+    """The process group to stop for an adopted worker whose control connection comes from
+    `pid`, or None (logged) when there is none to signal.
+
+    The pid on the connection is the server, which a wrapper (`sh -c ...`) may have
+    started as a child: the group its previous router started is the server's group,
+    not a group numbered `pid`.
+    """
+    try:
+        pgid = os.getpgid(pid)
+    except ProcessLookupError:
+        logger.info("spawn: worker %s (adopted, pid %d) already exited", worker.worker_id, pid)
+        return None
+    except OSError as exc:
+        logger.error("spawn: worker %s: cannot find pid %d's group: %s", worker.worker_id, pid, exc)
+        return None
+    if pgid == os.getpgrp():
+        # Never ours to stop: every worker a router spawns leads a session of its own, so
+        # this one was started some other way, and the group holds this router too.
+        logger.error(
+            "spawn: worker %s (adopted, pid %d) is in the router's own process group: left running",
+            worker.worker_id,
+            pid,
+        )
+        return None
+    return pgid
 
 
 def _signal_group(pgid: int, signum: signal.Signals) -> None:

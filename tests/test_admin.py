@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from router_fixtures import Reply, Rig, open_rig, token, wait_until
+from router_fixtures import RawHttp, Reply, Rig, open_rig, router_config, token, wait_until
 
-from router.config import AdminConfig
+from router.config import AdminConfig, check_config
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -253,6 +254,37 @@ async def test_off_loopback_the_admin_api_needs_the_bearer_token(rig: Rig) -> No
     good = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     assert (await rig.admin("POST", "/admin/workers/w0/drain", good)).status == 200
     assert (await rig.admin("GET", "/admin/sessions/episode/x", good)).status == 404
+
+
+@pytest.mark.parametrize("value", [b"Bearer \xff", b"Bearer " + ADMIN_TOKEN.encode() + b"\xe9"])
+async def test_off_loopback_a_token_that_is_not_utf8_is_unauthorized(
+    rig: Rig, value: bytes
+) -> None:
+    """Bytes that are not UTF-8 in Authorization are a wrong token: 401, never a 500."""
+    await rig.start_router()
+    await _admin_off_loopback(rig)
+    http = await RawHttp.open(rig.router.admin_port)
+    try:
+        http.send(
+            b"GET /admin/workers HTTP/1.1\r\nHost: x\r\nAuthorization: " + value + b"\r\n\r\n"
+        )
+        status, _, body = await http.read_reply()
+    finally:
+        http.writer.close()
+    assert (status, json.loads(body)["error"]) == (401, "unauthorized")
+
+
+@pytest.mark.parametrize("host", ["LOCALHOST", "LocalHost", "localhost"])
+async def test_localhost_in_any_case_is_loopback_and_needs_no_token(
+    rig: Rig, tmp_path: Path, host: str
+) -> None:
+    """The config check lets `localhost` in any case through without a token (host names
+    are case-insensitive), so the admin API must not then ask for one."""
+    config = router_config(tmp_path, admin=AdminConfig(host=host, port=0))
+    check_config(config)  # what `run` accepted
+    await rig.start_router(config)
+    assert (await rig.admin("GET", "/admin/workers")).status == 200
+    assert (await rig.admin("POST", "/admin/workers/nobody/drain")).status == 404
 
 
 async def test_off_loopback_health_and_readiness_stay_open(rig: Rig) -> None:

@@ -147,8 +147,8 @@ def test_example_file_parses_to_its_documented_values() -> None:
     expected = dataclasses.replace(
         DEFAULTS,
         workers=(
-            StaticWorkerConfig("w0", "http://127.0.0.1:9001"),
-            StaticWorkerConfig("w1", "unix:/run/my-env-server/w1.sock"),
+            StaticWorkerConfig("s0", "http://127.0.0.1:9001"),
+            StaticWorkerConfig("s1", "unix:/run/my-env-server/s1.sock"),
         ),
         spawn=SpawnConfig("python -m my_env_server --host {host} --port {port}", 2, 9101),
         sessions=(
@@ -304,6 +304,22 @@ def test_workers_and_spawn_may_both_be_present_on_distinct_ports() -> None:
     config = parse(text)
     assert config.workers == (StaticWorkerConfig("static", "http://127.0.0.1:9000"),)
     assert config.spawn == SpawnConfig("srv --port {port}", 2, 9001, "127.0.0.1", 10.0)
+
+
+@pytest.mark.parametrize(
+    ("host", "upstreams"),
+    [
+        ("LOCALHOST", "[]"),  # host names are case-insensitive
+        ("::1", "[]"),
+        ("10.0.0.7", "['http://10.0.0.7:9001', 'http://10.0.0.7:9002']"),
+    ],
+)
+def test_spawned_workers_on_loopback_or_on_allowed_urls_pass(host: str, upstreams: str) -> None:
+    text = f"""
+        control: {{allowed_upstreams: {upstreams}}}
+        spawn: {{command: "srv --port {{port}}", count: 2, host: "{host}"}}
+    """
+    assert parse(text).spawn == SpawnConfig("srv --port {port}", 2, 9001, host, 10.0)
 
 
 def test_dataclasses_are_frozen_and_slotted() -> None:
@@ -758,6 +774,32 @@ BAD: dict[str, Bad] = {
         "spawn: {command: '{port}', count: 10, base_port: 65530}",
         "spawn.count",
         "ports 65530..65539 go past 65535",
+    ),
+    "spawn command with an unbalanced quote": Bad(
+        """spawn: {command: "srv --port {port} --name 'w"}""",
+        "spawn.command",
+        "cannot be split into arguments the way a shell would: No closing quotation",
+    ),
+    "spawn command with a NUL byte": Bad(
+        'spawn: {command: "srv --port {port}\\0"}', "spawn.command", "contains a NUL byte"
+    ),
+    # spawned workers that could never register
+    "static worker with a spawned worker's id": Bad(
+        "workers: [{id: w1, url: 'http://127.0.0.1:9000'}]\nspawn: {command: '{port}', count: 2}",
+        "workers[0].id",
+        "'w1' is also a spawned worker's id (spawn makes w0..w1)",
+    ),
+    "spawn host off loopback": Bad(
+        "spawn: {command: '{port}', host: 0.0.0.0}",
+        "spawn.host",
+        "'0.0.0.0' is not loopback, and control.allowed_upstreams does not list "
+        "'http://0.0.0.0:9001': the spawned workers could never say hello",
+    ),
+    "spawn host with one of its urls not allowed": Bad(
+        "control: {allowed_upstreams: ['http://10.0.0.7:9001']}\n"
+        "spawn: {command: '{port}', count: 2, host: 10.0.0.7}",
+        "spawn.host",
+        "does not list 'http://10.0.0.7:9002'",
     ),
     # addresses that clash
     "listen and admin on one port": Bad(

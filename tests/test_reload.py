@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import re
+import shlex
+import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from router_fixtures import EchoWorker, Rig, open_rig, router_config, token, wait_until
+from router_fixtures import (
+    EchoWorker,
+    RawLease,
+    Rig,
+    free_port,
+    open_rig,
+    router_config,
+    token,
+    wait_until,
+)
 
 from router.config import (
     Config,
@@ -20,6 +34,7 @@ from router.config import (
     StaticWorkerConfig,
     default_config,
     load_config,
+    parse_config,
 )
 from router.reload import effective_config, plan_reload
 
@@ -50,6 +65,71 @@ def test_live_sections_apply_and_bound_ones_wait_for_a_restart() -> None:
     assert running.control.socket == old.control.socket
     assert running.control.lease_timeout_s == 3
     assert running.limits.max_body_bytes == 10
+
+
+RUNNING = """
+listen: {host: 127.0.0.1, port: 8100}
+admin: {host: 127.0.0.1, port: 8101}
+control: {socket: "tcp://127.0.0.1:8102", secret_env: SECRET}
+spawn: {command: "srv --port {port}", count: 2, base_port: 8110}
+"""
+SECRET_ENV = {"SECRET": "control-secret-0123"}
+CONTROL = 'control: {socket: "tcp://127.0.0.1:8102", secret_env: SECRET}\n'
+
+
+def _running_and_new(new_text: str) -> tuple[Config, Config]:
+    return (
+        parse_config(RUNNING, source="old.yaml", env=SECRET_ENV),
+        parse_config(new_text, source="new.yaml", env=SECRET_ENV),
+    )
+
+
+@pytest.mark.parametrize(
+    ("new_text", "key_path", "reason"),
+    [
+        (  # a move to a unix socket waits for a restart; the dropped secret would not
+            'listen: {host: 127.0.0.1, port: 8100}\ncontrol: {socket: "unix:/tmp/r.sock"}',
+            "control.socket",
+            "a tcp:// control socket needs secret_env or secret_file",
+        ),
+        (  # the public port moves only at a restart: until then this is the router itself
+            CONTROL + "listen: {host: 127.0.0.1, port: 8200}\n"
+            "workers: [{id: s0, url: 'http://127.0.0.1:8100'}]",
+            "workers[0].url",
+            "is the router's own listen.port address",
+        ),
+        (  # spawn goes at a restart: until then w1 is a running spawned worker
+            CONTROL + "workers: [{id: w1, url: 'http://127.0.0.1:8300'}]",
+            "workers[0].id",
+            "'w1' is also a spawned worker's id",
+        ),
+    ],
+)
+def test_a_reload_whose_mix_with_the_running_sections_fails_the_checks_is_refused(
+    new_text: str, key_path: str, reason: str
+) -> None:
+    running, new = _running_and_new(new_text)
+    with pytest.raises(ConfigError) as info:
+        effective_config(running, new, source="new.yaml")
+    error = info.value
+    assert (error.source, error.key_path) == ("new.yaml", key_path)
+    assert reason in error.reason
+    assert error.reason.endswith(
+        "(with the running listen, admin, spawn, state, control.socket, "
+        "which only a restart changes)"
+    )
+
+
+def test_a_reload_may_not_drop_an_allowed_upstream_the_running_spawn_host_needs() -> None:
+    running = parse_config(
+        """
+control: {allowed_upstreams: ["http://10.0.0.7:9001"]}
+spawn: {command: "srv --port {port}", host: 10.0.0.7}
+"""
+    )
+    new = parse_config("control: {allowed_upstreams: []}")
+    with pytest.raises(ConfigError, match=re.escape("spawn.host: '10.0.0.7' is not loopback")):
+        effective_config(running, new)
 
 
 # --- a running router -------------------------------------------------------------------------
@@ -220,3 +300,88 @@ def _async(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
         return check()
 
     return run
+
+
+async def test_a_reload_that_would_leave_the_tcp_control_socket_without_a_secret_is_refused(
+    rig: Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new file moves to a unix socket (a restart) and drops the secret with it: the
+    running tcp:// socket would be left with no secret and refuse every hello."""
+    secret = "control-secret-0123"
+    monkeypatch.setenv("RELOAD_TEST_SECRET", secret)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    path = tmp_path / "router.yaml"
+    write_config(path, tmp_path)
+    text = path.read_text()
+    unix_control = f'control: {{socket: "unix:{tmp_path}/c.sock"}}'
+    tcp_control = f'control: {{socket: "{address}", secret_env: RELOAD_TEST_SECRET}}'
+    path.write_text(text.replace(unix_control, tcp_control))
+    service = await rig.start_router(load_config(path))
+    service.config_path = str(path)
+    before = service.config
+    path.write_text(text)  # unix:, no secret
+
+    reply = await rig.admin("POST", "/admin/reload")
+
+    body = reply.json()
+    assert (reply.status, body["error"]) == (400, "invalid_config"), body
+    assert "control.socket: a tcp:// control socket needs secret_env" in body["detail"]
+    assert service.config is before
+    lease = await RawLease.open(address)
+    try:
+        hello = await lease.hello("w0", "http://127.0.0.1:1", "boot-1", auth=secret)
+    finally:
+        lease.abort()
+    assert hello["ok"] is True, hello
+
+
+# A spawned worker that records its pid and the secret it was given, then sleeps.
+SECRET_RECORDER = """
+import os, sys, time
+
+path = os.path.join(sys.argv[1], "%d.secret" % os.getpid())
+with open(path + ".tmp", "w") as f:
+    f.write(os.environ.get("EPISODE_ROUTER_SECRET", "<none>"))
+os.replace(path + ".tmp", path)
+time.sleep(60)
+"""
+
+
+async def test_a_spawned_worker_restarted_after_a_reload_gets_the_rotated_secret(
+    rig: Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RELOAD_TEST_OLD", "old-secret-0123456789")
+    monkeypatch.setenv("RELOAD_TEST_NEW", "new-secret-9876543210")
+    (tmp_path / "recorder.py").write_text(SECRET_RECORDER)
+    out = tmp_path / "out"
+    out.mkdir()
+    command = shlex.join([sys.executable, str(tmp_path / "recorder.py"), str(out)]) + " {port}"
+    control_port, base_port = free_port(), free_port()
+    path = tmp_path / "router.yaml"
+
+    def write(secret_env: str) -> None:
+        write_config(path, tmp_path)
+        unix = f'control: {{socket: "unix:{tmp_path}/c.sock"}}'
+        tcp = f'control: {{socket: "tcp://127.0.0.1:{control_port}", secret_env: {secret_env}}}'
+        spawn = f"spawn: {{command: '{command}', base_port: {base_port}, stop_timeout_s: 2}}"
+        path.write_text(path.read_text().replace(unix, f"{tcp}\n{spawn}"))
+
+    def started() -> dict[int, str]:
+        return {int(p.stem): p.read_text() for p in out.glob("*.secret")}
+
+    write("RELOAD_TEST_OLD")
+    service = await rig.start_router(load_config(path))
+    service.config_path = str(path)
+    await wait_until(_async(lambda: len(started()) == 1), "the spawned worker to start")
+    [(first, secret)] = started().items()
+    assert (secret, service.worker_pid("w0")) == ("old-secret-0123456789", first)
+
+    write("RELOAD_TEST_NEW")
+    reply = await rig.admin("POST", "/admin/reload")
+    assert (reply.status, reply.json()["applied"]) == (200, ["control.secret"]), reply.json()
+    os.kill(first, signal.SIGKILL)  # our child: the spawner reaps it and starts another
+    await wait_until(_async(lambda: len(started()) == 2), "the worker to be restarted")
+
+    [(second, secret)] = [(pid, s) for pid, s in started().items() if pid != first]
+    assert secret == "new-secret-9876543210"
+    assert service.worker_pid("w0") == second

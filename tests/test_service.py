@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
+import signal
+import socket
 import stat
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from router_fixtures import (
@@ -21,6 +26,7 @@ from router_fixtures import (
     RawHttp,
     RawLease,
     Rig,
+    free_port,
     open_rig,
     router_config,
     token,
@@ -28,7 +34,8 @@ from router_fixtures import (
 )
 
 from router import journal as journal_module
-from router.config import StateConfig
+from router import spawn as spawn_module
+from router.config import AdminConfig, ListenConfig, SpawnConfig, StateConfig
 from router.control_server import ControlSocketInUse
 from router.service import RouterService
 
@@ -214,6 +221,53 @@ async def test_a_second_router_that_cannot_start_leaves_the_live_journal_alone(
 
     assert b"before-a0" in journal.read_bytes()
     assert b"after-a0" in journal.read_bytes()
+
+
+@pytest.mark.parametrize("taken", ["listen", "admin"])
+async def test_a_start_that_fails_to_bind_stops_the_workers_it_spawned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, taken: str
+) -> None:
+    """Workers are spawned before the listeners bind: a taken port must not leave them
+    running (they would be re-parented to init), nor the control socket file behind."""
+    spawned: list[int] = []
+    real_exec = asyncio.create_subprocess_exec
+
+    async def recording_exec(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        process = await real_exec(*args, **kwargs)
+        spawned.append(process.pid)
+        return process
+
+    monkeypatch.setattr(spawn_module.asyncio, "create_subprocess_exec", recording_exec)
+    with socket.create_server(("127.0.0.1", 0)) as holder:  # listening: the port is taken
+        port = holder.getsockname()[1]
+        sleeper = f"{shlex.quote(sys.executable)} -c 'import time; time.sleep(60)' {{port}}"
+        config = router_config(
+            tmp_path,
+            spawn=SpawnConfig(sleeper, count=1, base_port=free_port(), stop_timeout_s=2.0),
+            **{taken: (ListenConfig if taken == "listen" else AdminConfig)("127.0.0.1", port)},
+        )
+        service = RouterService(config)
+        try:
+            with pytest.raises(OSError, match=f"^{taken} 127.0.0.1:{port}: Address already in use"):
+                await service.start()
+            [pid] = spawned
+            assert not _running(pid), "a spawned worker outlived the failed start"
+            assert not (tmp_path / "c.sock").exists()
+            assert service.public_port == 0 or await _refuses(service.public_port)
+        finally:
+            for pid in spawned:
+                if _running(pid):
+                    os.killpg(pid, signal.SIGKILL)  # its own group: start_new_session
+
+
+def _running(pid: int) -> bool:
+    """True while `pid` runs; a zombie (exited, not reaped yet) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat_file:
+            stat_line = stat_file.read()
+    except FileNotFoundError:
+        return False
+    return stat_line[stat_line.rfind(")") + 2] not in "ZX"
 
 
 async def test_a_compaction_that_fails_leaves_the_tick_running(

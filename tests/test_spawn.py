@@ -9,6 +9,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -482,6 +483,32 @@ async def test_a_killed_worker_is_reported_then_restarted_with_a_new_pid(
     assert harness.exits == [("w1", -signal.SIGKILL)]
 
 
+async def test_a_worker_restarted_after_set_secret_gets_the_new_secret(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reload rotates the control secret: the running worker keeps the one it started
+    with, the process that replaces it must say hello with the new one."""
+    spawner = harness.spawner(harness.command("worker.py", "sleep"), secret="old-secret")
+    await spawner.start()
+    [first] = await harness.wait_records(1)
+    monkeypatch.setenv("SPAWN_TEST_LATE", "set-after-start")  # the start's environment stays
+
+    spawner.set_secret("new-secret")
+    os.kill(first["pid"], signal.SIGKILL)
+    await eventually(lambda: len(harness.records("w0")) == 2, within_s=3)
+
+    [second] = [r for r in harness.records("w0") if r["pid"] != first["pid"]]
+    assert first["env"]["EPISODE_ROUTER_SECRET"] == "old-secret"
+    assert second["env"] == {**first["env"], "EPISODE_ROUTER_SECRET": "new-secret"}
+    with pytest.raises(ValueError, match="secret contains a NUL byte"):
+        spawner.set_secret("bad\0secret")
+    spawner.set_secret(None)
+    os.kill(second["pid"], signal.SIGKILL)
+    await eventually(lambda: len(harness.records("w0")) == 3, within_s=3)
+    [third] = [r for r in harness.records("w0") if r["pid"] not in (first["pid"], second["pid"])]
+    assert "EPISODE_ROUTER_SECRET" not in third["env"]
+
+
 async def test_stop_ends_the_whole_group_and_waits_for_a_graceful_grandchild(
     harness: Harness,
 ) -> None:
@@ -606,3 +633,81 @@ async def test_start_runs_once_and_stop_is_idempotent(harness: Harness) -> None:
     await never_started.stop()
     assert never_started.pid("w0") is None
     assert harness.records() == [record]
+
+
+# A previous run's worker behind a wrapper: listens on <port>, writes its pid to <out>, sleeps.
+LISTENER_SCRIPT = """
+import os, socket, sys, time
+
+port, out = int(sys.argv[1]), sys.argv[2]
+server = socket.create_server(("127.0.0.1", port))
+with open(out + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.replace(out + ".tmp", out)
+time.sleep(60)
+"""
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_stop_ends_an_adopted_worker_started_through_a_wrapper(
+    harness: Harness, tmp_path: Path
+) -> None:
+    """The pid on an adopted worker's control connection is the server, a child of the
+    wrapper shell that leads the group: stopping signals that group, not a group
+    numbered like the server's pid (there is none; the whole group would be left)."""
+    (tmp_path / "listener.py").write_text(LISTENER_SCRIPT)
+    port, pid_file = free_loopback_port(), tmp_path / "server.pid"
+    listener = shlex.join([sys.executable, str(tmp_path / "listener.py"), str(port), str(pid_file)])
+    # Started like a previous router started its workers: a session and group of its own.
+    wrapper = await asyncio.create_subprocess_exec(
+        "/bin/sh", "-c", f"{listener}; echo worker-ended", start_new_session=True
+    )
+    try:
+        await eventually(pid_file.exists)
+        server = int(pid_file.read_text())
+        assert os.getpgid(server) == wrapper.pid != server
+        spec = SpawnSpec("never-run {port}", count=1, base_port=port, stop_timeout_s=5.0)
+        spawner = Spawner(
+            spec,
+            control_address="unix:/run/test/control.sock",
+            on_exit=harness.on_exit,
+            adopted_pid=lambda worker_id: server,
+        )
+        harness.spawners.append(spawner)
+        await asyncio.wait_for(spawner.start(), 5)  # adopted: the port is served
+        assert spawner.pid("w0") is None
+
+        await asyncio.wait_for(spawner.stop(), 10)
+
+        assert not is_running(server), "the adopted server outlived stop()"
+        assert await asyncio.wait_for(wrapper.wait(), 5) == -signal.SIGTERM
+        assert harness.exits == []
+    finally:
+        if wrapper.returncode is None or is_running(server):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(wrapper.pid, signal.SIGKILL)  # the group it leads: ours
+        await asyncio.wait_for(wrapper.wait(), 5)
+
+
+async def test_stop_leaves_an_adopted_worker_that_already_exited_alone(harness: Harness) -> None:
+    """A pid that no longer runs has no group to look up: nothing is signalled."""
+    gone = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
+    await asyncio.wait_for(gone.wait(), 5)
+    with socket.create_server(("127.0.0.1", 0)) as held:  # something serves the port
+        port = held.getsockname()[1]
+        spec = SpawnSpec("never-run {port}", count=1, base_port=port, stop_timeout_s=5.0)
+        spawner = Spawner(
+            spec,
+            control_address="unix:/run/test/control.sock",
+            on_exit=harness.on_exit,
+            adopted_pid=lambda worker_id: gone.pid,
+        )
+        harness.spawners.append(spawner)
+        await asyncio.wait_for(spawner.start(), 5)
+        await asyncio.wait_for(spawner.stop(), 5)
+    assert harness.exits == []

@@ -15,13 +15,14 @@ the modules behind it, each owning one part:
 - `reader`: `_Section`, typed reads of one mapping from the file.
 - `sections`: the top-level sections other than `sessions`, and the whole `Config`.
 - `sessions`: session kinds, their key sources and routes.
-- `addresses`: hosts, upstream URLs, control sockets and listener clashes.
+- `addresses`: hosts (`is_loopback_host`), upstream URLs, control sockets and listener clashes.
 - `secrets`: `*_env` / `*_file` secrets and public key files.
 
 None of it may open a socket, start a task or log, or put a secret's value in
 an error message.
 """
 
+from router.config.addresses import is_loopback_host
 from router.config.errors import ConfigError
 from router.config.model import (
     AdminConfig,
@@ -47,7 +48,7 @@ from router.config.model import (
     TokenFormatConfig,
     VerifyConfig,
 )
-from router.config.parse import default_config, load_config, parse_config
+from router.config.parse import check_config, default_config, load_config, parse_config
 
 __all__ = [
     "AdminConfig",
@@ -73,7 +74,9 @@ __all__ = [
     "TimeoutsConfig",
     "TokenFormatConfig",
     "VerifyConfig",
+    "check_config",
     "default_config",
+    "is_loopback_host",
     "load_config",
     "parse_config",
 ]

@@ -41,7 +41,12 @@ def _is_host(host: str) -> bool:
     return _is_ip(host) or _HOSTNAME.fullmatch(host) is not None
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback_host(host: str) -> bool:
+    """True for `localhost` (any case: host names are case-insensitive) and loopback IPs.
+
+    The one predicate for "on loopback": the config check and the admin listener's
+    token rule must never disagree about a host.
+    """
     return host.lower() == "localhost" or (_is_ip(host) and ipaddress.ip_address(host).is_loopback)
 
 
@@ -80,7 +85,7 @@ def _control_socket_problem(spec: str) -> str | None:
     address = _split_host_port(spec[len(_TCP) :]) if spec.startswith(_TCP) else None
     if address is None or not 1 <= address[1] <= 65535:
         return f"expected unix:PATH or tcp://HOST:PORT, got {_quote(spec)}"
-    if not _is_loopback(address[0]):
+    if not is_loopback_host(address[0]):
         return (
             f"a tcp:// control socket must be on loopback (127.0.0.0/8, ::1, localhost), "
             f"got {_quote(address[0])}: the control protocol is not encrypted"
@@ -99,7 +104,7 @@ class _Bound(NamedTuple):
 
 def _hosts_clash(bound_host: str, host: str, *, wildcard_clashes_any: bool) -> bool:
     a, b = bound_host.lower(), host.lower()
-    if a in _WILDCARDS and (wildcard_clashes_any or _is_loopback(b) or b in _WILDCARDS):
+    if a in _WILDCARDS and (wildcard_clashes_any or is_loopback_host(b) or b in _WILDCARDS):
         return True
     if b in _WILDCARDS and wildcard_clashes_any:
         return True

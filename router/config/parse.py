@@ -1,6 +1,7 @@
 """Reading a configuration: `parse_config` (pure), `load_config` (the file), `default_config`.
 
-This module owns the entry points and the YAML step: a safe loader that also
+This module owns the entry points (and `check_config`, the cross-section checks on a
+`Config` that was not parsed from one file) and the YAML step: a safe loader that also
 refuses a mapping with the same key twice, YAML errors turned into
 `ConfigError`s with their line and column, and bounded reads of the config
 file and of secret files. The sections themselves are parsed by
@@ -23,7 +24,7 @@ from router.config.errors import ConfigError, _join, _quote
 from router.config.model import Config
 from router.config.reader import _Context, _Section
 from router.config.secrets import _MAX_SECRET_FILE_BYTES
-from router.config.sections import _TOP_KEYS, _config
+from router.config.sections import _TOP_KEYS, _check_config, _config
 
 
 def default_config() -> Config:
@@ -47,6 +48,13 @@ def parse_config(
     ctx = _Context(source, env or {}, read_file)
     data = _load_yaml(ctx, text)
     return Config() if data is None else _config(_Section(ctx, "", data, _TOP_KEYS))
+
+
+def check_config(config: Config, *, source: str = "<config>") -> None:
+    """Run the checks that span sections (addresses, control authentication, spawned
+    workers' ids and urls) on a `Config` no file was parsed into: one built in code, or
+    a reload's mix of two files. Raises `ConfigError` prefixed with `source`."""
+    _check_config(_Context(source, {}, None), config)
 
 
 def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Config:

@@ -3,7 +3,10 @@
 This module owns the parsing of listen, admin, control, workers, health,
 spawn, claims, state, limits, timeouts and log, and the checks that span a
 section or the file (an admin listener off loopback needs a token, a tcp://
-control socket needs a secret, no two listeners share an address).
+control socket needs a secret, no two listeners share an address, spawned
+workers can register: ids of their own, urls the control policy lets in).
+The file-wide checks run on a `Config` value too (`check_config`), for a
+reload's mix of two files.
 
 It must never read the file or the environment itself: values come through
 `_Section`, secrets through `router.config.secrets`.
@@ -12,6 +15,7 @@ It must never read the file or the environment itself: values come through
 from __future__ import annotations
 
 import re
+import shlex
 import string
 from typing import Final
 
@@ -20,8 +24,8 @@ from router.config.addresses import (
     _UNIX,
     _check_addresses,
     _control_socket_problem,
-    _is_loopback,
     _upstream_problem,
+    is_loopback_host,
 )
 from router.config.errors import _join, _quote
 from router.config.model import (
@@ -41,6 +45,7 @@ from router.config.model import (
 from router.config.reader import _Context, _integer, _Section, _text
 from router.config.secrets import _inline, _secret_text
 from router.config.sessions import _sessions
+from router.spawn_plan import SpawnSpec, plan_workers
 
 _TOP_KEYS: Final = (
     *("listen", "admin", "control", "workers", "health", "spawn", "sessions"),
@@ -82,8 +87,56 @@ def _config(root: _Section) -> Config:
         timeouts=_timeouts(root.child("timeouts", _TIMEOUTS_KEYS)),
         log=_log(root.child("log", ("format", "access", "level"))),
     )
-    _check_addresses(root.ctx, config)
+    _check_config(root.ctx, config)
     return config
+
+
+def _check_config(ctx: _Context, config: Config) -> None:
+    """The checks that span sections, on a whole `Config`.
+
+    They run on every file after its sections, and again on the config a reload
+    would run (the new file, with the restart-only sections the router keeps): a
+    mix that no file held, so each section's own checks never saw it.
+    """
+    control = config.control
+    if problem := _control_problem(
+        control.socket, control.secret is not None, control.allowed_uids
+    ):
+        key, reason = problem
+        raise ctx.fail("control" if key == "secret" else _join("control", key), reason)
+    if config.admin.token is None and not is_loopback_host(config.admin.host):
+        raise ctx.fail("admin", _admin_token_reason(config.admin.host))
+    _check_addresses(ctx, config)
+    if config.spawn is not None:
+        _check_spawned_workers(ctx, config, config.spawn)
+
+
+def _check_spawned_workers(ctx: _Context, config: Config, spawn: SpawnConfig) -> None:
+    """Spawned workers must be able to register: an id of their own, a url the control
+    policy lets say hello."""
+    try:  # the spawner's own rule for ids and urls, not a copy of it
+        spawned = plan_workers(SpawnSpec(spawn.command, spawn.count, spawn.base_port, spawn.host))
+    except ValueError as exc:  # a SpawnConfig built in code; a parsed one always fits
+        raise ctx.fail("spawn", str(exc)) from None
+    ids = [worker.worker_id for worker in spawned]
+    made = ids[0] if len(ids) == 1 else f"{ids[0]}..{ids[-1]}"
+    for i, static in enumerate(config.workers):
+        if static.id in ids:
+            reason = (
+                f"{_quote(static.id)} is also a spawned worker's id (spawn makes {made}): "
+                "one id cannot name two workers"
+            )
+            raise ctx.fail(f"workers[{i}].id", reason)
+    if is_loopback_host(spawn.host):
+        return
+    allowed = set(config.control.allowed_upstreams)
+    refused = [worker.url for worker in spawned if worker.url not in allowed]
+    if refused:
+        reason = (
+            f"{_quote(spawn.host)} is not loopback, and control.allowed_upstreams does not list "
+            f"{_quote(refused[0])}: the spawned workers could never say hello"
+        )
+        raise ctx.fail("spawn.host", reason)
 
 
 def _listen(sec: _Section) -> ListenConfig:
@@ -95,10 +148,13 @@ def _admin(sec: _Section) -> AdminConfig:
     d = AdminConfig()
     host, port = sec.host("host", d.host), sec.integer("port", d.port, 0, 65535)
     token = _secret_text(sec, "token", header_safe=True)
-    if token is None and not _is_loopback(host):
-        reason = f"an admin listener on {_quote(host)} (not loopback) needs token_env or token_file"
-        raise sec.fail(None, reason)
+    if token is None and not is_loopback_host(host):
+        raise sec.fail(None, _admin_token_reason(host))
     return AdminConfig(host, port, token[1] if token else None)
+
+
+def _admin_token_reason(host: str) -> str:
+    return f"an admin listener on {_quote(host)} (not loopback) needs token_env or token_file"
 
 
 def _control(sec: _Section) -> ControlConfig:
@@ -109,15 +165,25 @@ def _control(sec: _Section) -> ControlConfig:
     uids = tuple(_integer(sec.ctx, p, v, 0, 2**32 - 2) for p, v in sec.items("allowed_uids"))
     upstreams = tuple(_upstream(sec.ctx, p, v) for p, v in sec.items("allowed_upstreams"))
     secret = _secret_text(sec, "secret", header_safe=False)
-    if socket.startswith(_TCP) and secret is None:
-        raise sec.fail("socket", "a tcp:// control socket needs secret_env or secret_file")
-    if socket.startswith(_UNIX) and secret is not None:
-        raise sec.fail(secret[0], "a unix: control socket checks uids; a secret is for tcp://")
-    if socket.startswith(_TCP) and uids:
-        raise sec.fail("allowed_uids", "uids can only be checked on a unix: control socket")
+    if mismatch := _control_problem(socket, secret is not None, uids):
+        key, reason = mismatch
+        raise sec.fail(secret[0] if key == "secret" and secret else key, reason)
     lease = sec.seconds("lease_timeout_s", d.lease_timeout_s)
     grace = sec.seconds("reconnect_grace_s", d.reconnect_grace_s)
     return ControlConfig(socket, uids, upstreams, secret and secret[1], lease, grace)
+
+
+def _control_problem(
+    socket: str, has_secret: bool, uids: tuple[int, ...]
+) -> tuple[str, str] | None:
+    """(key, reason) when the socket's kind and its authentication do not go together."""
+    if socket.startswith(_TCP) and not has_secret:
+        return "socket", "a tcp:// control socket needs secret_env or secret_file"
+    if socket.startswith(_UNIX) and has_secret:
+        return "secret", "a unix: control socket checks uids; a secret is for tcp://"
+    if socket.startswith(_TCP) and uids:
+        return "allowed_uids", "uids can only be checked on a unix: control socket"
+    return None
 
 
 def _upstream(ctx: _Context, key_path: str, value: object) -> str:
@@ -168,6 +234,14 @@ def _command_problem(command: str) -> str | None:
             return f"placeholder {{{name}}} takes no conversion or format spec"
     if "port" not in {name for name, _, _ in fields}:
         return "must contain {port}: each spawned worker listens on its own port"
+    # Split here as the spawner will (no shell runs it): a template it cannot split
+    # would pass this check and stop `run` later.
+    try:
+        shlex.split(command)  # never empty: {port} is in it
+    except ValueError as exc:
+        return f"cannot be split into arguments the way a shell would: {exc}"
+    if "\0" in command:
+        return "contains a NUL byte, which no argument can hold"
     return None
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import signal
+import socket
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -22,8 +24,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import yaml
 
 from .conftest import (
+    LOOPBACK,
     START_TIMEOUT_S,
     Episode,
     Http,
@@ -317,3 +321,80 @@ async def test_spawned_workers_are_adopted_after_a_router_crash(
     assert exit_code == 0, router.process.tail()
     assert not [w for w, pid in pids.items() if pid_alive(pid)], "adopted workers outlived it"
     assert not router.socket_path.exists()
+
+
+async def test_an_adopted_worker_behind_a_wrapper_shell_is_stopped_whole(
+    launcher: Launcher,
+) -> None:
+    """The pid on an adopted worker's control connection is the server, a child of the
+    wrapper shell that leads the group the crashed router started: SIGTERM stops that
+    group, wrapper and server both."""
+    wrapped = shlex.quote(demo_worker_command() + "; echo worker-ended")
+    spawn = {
+        "command": f"/bin/sh -c {wrapped}",
+        "count": 1,
+        "base_port": free_port_range(1),
+        "stop_timeout_s": SPAWN_STOP_TIMEOUT_S,
+    }
+    router = launcher.router(spawn=spawn, claims={"recovery_window_s": RECOVERY_WINDOW_S})
+    router.wait_live(["w0"])  # the server said hello: the wrapper has started it
+    router.process.remember_descendants()  # teardown kills them should the router not
+    [wrapper] = child_pids(router.process.pid)
+    [server] = child_pids(wrapper)
+    assert os.getpgid(server) == wrapper != server
+
+    router.process.kill9()
+    await asyncio.to_thread(router.restart, SETTLE_S)
+    await asyncio.to_thread(router.wait_live, ["w0"])
+    assert child_pids(router.process.pid) == [], "it respawned instead of adopting"
+
+    router.process.signal(signal.SIGTERM)
+    exit_code = await asyncio.to_thread(router.process.wait, SPAWN_STOP_TIMEOUT_S + 5.0)
+    assert exit_code == 0, router.process.tail()
+    assert not pid_alive(server), "the adopted server outlived the router"
+    assert not pid_alive(wrapper), "the adopted wrapper outlived the router"
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Live processes whose argument vector holds `marker` (found, never signalled, by it)."""
+    return [
+        int(entry)
+        for entry in os.listdir("/proc")
+        if entry.isdigit() and marker in cmdline(int(entry)) and pid_alive(int(entry))
+    ]
+
+
+@pytest.mark.parametrize("taken", ["listen", "admin"])
+async def test_a_router_that_cannot_bind_stops_the_workers_it_spawned_and_exits(
+    launcher: Launcher, tmp_path: Path, taken: str
+) -> None:
+    """Workers are spawned before the listeners bind: when a port is taken, `run` exits 1
+    with the section and address, and leaves no worker and no socket file behind."""
+    base_port = free_port_range(1)
+    marker = str(base_port)  # an argument of this test's worker ({port}), nobody else's
+    socket_path = tmp_path / "c.sock"
+    with socket.create_server((LOOPBACK, 0)) as holder:
+        port = holder.getsockname()[1]
+        config = {
+            "listen": {"host": LOOPBACK, "port": 0},
+            "admin": {"host": LOOPBACK, "port": 0},
+            taken: {"host": LOOPBACK, "port": port},
+            "control": {"socket": f"unix:{socket_path}"},
+            "spawn": {
+                "command": demo_worker_command(),
+                "base_port": base_port,
+                "stop_timeout_s": SPAWN_STOP_TIMEOUT_S,
+            },
+        }
+        config_path = tmp_path / "router.yaml"
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        process = launcher.run_router("router", config_path)
+        exit_code = await asyncio.to_thread(process.wait, START_TIMEOUT_S)
+    left = _processes_with(marker)
+    for pid in left:  # the bug this guards against: clean up what it left, by pid
+        os.kill(pid, signal.SIGKILL)
+
+    assert exit_code == 1, process.tail()
+    assert f"episode-router: {taken} {LOOPBACK}:{port}: Address already in use" in process.tail()
+    assert left == [], "spawned workers outlived the router that failed to start"
+    assert not socket_path.exists()
