@@ -30,6 +30,7 @@ from router.boot import (
     ASGIBootMiddleware,
     aiohttp_boot_middleware,
     boot_mismatch_answer,
+    valid_boot,
 )
 
 # The ASGI type aliases and SYNC_BATCH_CLAIMS are not in __all__ but were importable
@@ -169,6 +170,8 @@ class ControlClient:
             raise ValueError("a tcp control address needs the shared secret")
         self.worker_id = worker_id
         self.url = url
+        if boot is not None and not valid_boot(boot):  # the router would refuse it
+            raise ValueError("boot must be 1-128 visible ASCII characters, no spaces")
         self.boot = boot if boot is not None else secrets.token_hex(8)
         self.router_id: str | None = None
         self.ping_interval_s = ping_interval_s

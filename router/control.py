@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from router.boot import valid_boot
 from router.claims import ClaimRefusal
 from router.core import RouterCore
 from router.workers import Worker, WorkerOrigin, WorkerState
@@ -240,8 +241,10 @@ class ControlSession:
             return error_reply(rid, "bad_request", "`url` must be http://host:port or unix:/path.")
         if url.startswith("http:"):
             url = url.rstrip("/")  # one spelling per address, for the uniqueness check
-        if not isinstance(boot, str) or not 1 <= len(boot) <= 128:
-            return error_reply(rid, "bad_request", "`boot` must be a string of 1-128 chars.")
+        if not isinstance(boot, str) or not valid_boot(boot):
+            return error_reply(
+                rid, "bad_request", "`boot` must be 1-128 visible ASCII characters, no spaces."
+            )
         refusal = self._hello_refusal(request, worker_id, url, boot)
         if refusal is not None:
             return error_reply(rid, *refusal)

@@ -124,6 +124,20 @@ def test_sync_messages_empty_set_is_one_empty_sync() -> None:
     assert sync_messages([]) == [{"op": "sync", "claims": [], "more": False}]
 
 
+def test_sync_messages_count_the_escapes_json_writes() -> None:
+    # A control character is six bytes on the line (\u0001): keys made of them would
+    # pass a budget of their UTF-8 length, and the sync would go over the limit.
+    claims = [("episode", f"{i:04d}" + "\x01" * 500) for i in range(400)]
+    messages = sync_messages(claims)
+    assert all(len(encode_line({**m, "id": 2**63})) < LINE_LIMIT for m in messages)
+    assert sum(len(m["claims"]) for m in wire(messages)) == 400
+
+
+def test_a_boot_the_router_would_refuse_is_refused_at_once() -> None:
+    with pytest.raises(ValueError, match="visible ASCII"):
+        ControlClient("unix:/tmp/x.sock", worker_id="w0", url="http://127.0.0.1:1", boot="a b")
+
+
 def test_sync_messages_stay_under_the_line_limit() -> None:
     claims = [("episode", f"{i:04d}" + "k" * 2000) for i in range(1000)]
     messages = sync_messages(claims)

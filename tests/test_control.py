@@ -378,6 +378,30 @@ def test_a_hello_for_another_protocol_version_is_unsupported_version(version: ob
     book().run([(Send("a", message), err(1, "unsupported_version"))])
 
 
+@pytest.mark.parametrize(
+    "boot", ["boot-café", "abc ", "a b", "tab\t", "", "x" * 129, 7, None], ids=repr
+)
+def test_a_boot_that_would_not_survive_its_header_is_a_bad_request(boot: object) -> None:
+    # It travels in X-Episode-Router-Boot: a worker's HTTP stack may decode it as
+    # latin-1 or strip its spaces, and then refuse its own episodes.
+    message = hello(1, "w0")
+    message["boot"] = boot
+    book().run([(Send("a", message), err(1, "bad_request"))])
+
+
+def test_a_boot_of_visible_ascii_up_to_128_is_taken() -> None:
+    boot = "~!" + "x" * 126
+    book().run(
+        [
+            (
+                Send("a", {**hello(1, "w0"), "boot": boot}),
+                ok(1, **ROUTER),
+                {W("w0"): f"live boot={boot} @a"},
+            )
+        ]
+    )
+
+
 def test_hello_again_on_the_same_connection_is_idempotent() -> None:
     with_w0().run(
         [
