@@ -91,7 +91,7 @@ class RouterService:
             path=config.health.path,
             interval_s=config.health.interval_s,
             timeout_s=config.health.timeout_s,
-            on_change=lambda worker: None,
+            on_change=self._probed_change,
         )
         self.spawner: Spawner | None = None
         self.journal: JournalFile | None = None
@@ -317,6 +317,12 @@ class RouterService:
         if result.recovery_ended:
             log.info("recovery window ended")
         self._maybe_compact_journal()
+
+    def _probed_change(self, worker: Worker) -> None:
+        """A static worker's probes changed its state: counted as a control worker's
+        transitions are (an exit is counted by _retired, which it goes through)."""
+        if worker.state is not WorkerState.EXITED:
+            self.metrics.worker_transition(worker.state.value)
 
     def _retired(self, worker: Worker) -> None:
         log.warning("worker exited", extra={"worker": worker.id})

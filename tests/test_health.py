@@ -24,6 +24,7 @@ from router_fixtures import (
     token,
     wait_until,
 )
+from test_metrics import scrape, series
 
 from router.config import HealthConfig, StaticWorkerConfig
 from router.health import probe_connect
@@ -195,6 +196,9 @@ async def test_a_static_worker_answering_5xx_is_unhealthy_until_it_recovers(
     status["code"] = 200
     await rig.wait_worker_state("s0", "live")
     assert (await rig.request("POST", "/seed")).worker == "s0"
+    # Counted as a control worker's transitions are.
+    transitions = series(scrape(rig.router.metrics), "episode_router_worker_transitions_total")
+    assert transitions == {"state=unhealthy": 1.0, "state=live": 1.0}
 
 
 async def test_probing_every_static_worker_ends_recovery_early(rig: Rig, tmp_path: Path) -> None:
