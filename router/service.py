@@ -154,6 +154,7 @@ class RouterService:
 
     async def _start(self) -> None:
         config = self.config
+        _warn_of_a_short_lease(config.control.lease_timeout_s)
         self.control.bind(config.control.socket)  # first: it fails if another router runs
         if config.state.path is not None:
             self._open_journal(config.state.path)  # before any hello can arrive
@@ -473,6 +474,22 @@ def _reload_on_signal(service: RouterService) -> None:
         service.reload_from_file()
     except (ConfigError, ValueError, LookupError) as exc:
         log.error("config reload refused; the running config stays", extra={"reason": str(exc)})
+
+
+# DESIGN §3: the longest a worker keeping the protocol may stay silent on its connection.
+WORKER_SILENCE_MAX_S = 5.0
+
+
+def _warn_of_a_short_lease(lease_timeout_s: float) -> None:
+    """A lease this short suits only workers that ping more often than the protocol asks
+    (tests do): one that sends something every 5 s would be taken as lost, again and
+    again. Allowed, but said at start."""
+    if lease_timeout_s <= WORKER_SILENCE_MAX_S:
+        log.warning(
+            "control.lease_timeout_s is at most 5 s: a worker that pings only every 5 s, "
+            "as the protocol allows, will be taken as lost",
+            extra={"lease_timeout_s": lease_timeout_s},
+        )
 
 
 @contextlib.contextmanager

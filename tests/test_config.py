@@ -667,10 +667,6 @@ BAD: dict[str, Bad] = {
         "control: {socket: /run/c.sock}", "control.socket", "expected unix:PATH or tcp://HOST:PORT"
     ),
     "empty unix path": Bad("control: {socket: 'unix:'}", "control.socket", "needs a path"),
-    # Workers keeping the contract ping every 5 s at most: a lease that short flaps.
-    "lease at the ping bound": Bad(
-        "control: {lease_timeout_s: 5}", "control.lease_timeout_s", "must be above 5 s"
-    ),
     "unix path too long": Bad(
         f"control: {{socket: 'unix:/{'x' * 107}'}}", "control.socket", "longer than 107"
     ),

@@ -8,6 +8,7 @@ silent or breaks off; the worker's HTTP side stays up unless the test closes it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shlex
 import signal
@@ -77,6 +78,18 @@ async def test_start_opens_every_listener_and_stop_closes_them(rig: Rig, tmp_pat
     assert not socket_path.exists()
     assert await _refuses(public)
     assert await _refuses(admin)
+
+
+@pytest.mark.parametrize(("lease_s", "warned"), [(5.0, True), (3.0, True), (5.5, False)])
+async def test_a_lease_no_longer_than_the_protocols_ping_is_warned_of_at_start(
+    rig: Rig, tmp_path: Path, caplog: pytest.LogCaptureFixture, lease_s: float, warned: bool
+) -> None:
+    # Allowed (workers that ping more often, as tests do), but a worker pinging every
+    # 5 s, as the protocol allows, would be taken as lost again and again.
+    with caplog.at_level(logging.WARNING, logger="episode_router"):
+        await rig.start_router(router_config(tmp_path, lease_timeout_s=lease_s))
+    said = [r for r in caplog.records if "lease_timeout_s is at most 5 s" in r.getMessage()]
+    assert bool(said) is warned
 
 
 async def test_stop_lets_an_in_flight_request_finish_and_refuses_new_connections(

@@ -68,8 +68,6 @@ _LIMITS_KEYS: Final = (
     *("header_timeout_s", "idle_timeout_s", "max_line_bytes", "body_timeout_s"),
 )
 _TIMEOUTS_KEYS: Final = ("connect_s", "first_byte_s", "stream_idle_s", "shutdown_grace_s")
-# DESIGN §3: the longest a worker keeping the contract stays silent on its connection.
-WORKER_SILENCE_MAX_S: Final = 5.0
 
 
 def _config(root: _Section) -> Config:
@@ -171,11 +169,6 @@ def _control(sec: _Section) -> ControlConfig:
         key, reason = mismatch
         raise sec.fail(secret[0] if key == "secret" and secret else key, reason)
     lease = sec.seconds("lease_timeout_s", d.lease_timeout_s)
-    if lease <= WORKER_SILENCE_MAX_S:
-        # DESIGN §3: a worker sends something at least every 5 s. A shorter lease would
-        # call a worker that keeps the contract silent, again and again.
-        reason = f"must be above {WORKER_SILENCE_MAX_S:g} s (workers ping every 5 s at most)"
-        raise sec.fail("lease_timeout_s", f"{reason}, got {lease:g}")
     grace = sec.seconds("reconnect_grace_s", d.reconnect_grace_s)
     return ControlConfig(socket, uids, upstreams, secret and secret[1], lease, grace)
 
