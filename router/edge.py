@@ -366,7 +366,7 @@ class EdgeConnection(asyncio.Protocol):
             # request line (llhttp calls back from its target on). The head's clock
             # starts now, and runs on past the request being handled (_dispatch).
             self._set_deadline(self._time() + self._head_timeout_s(), _HEAD)
-        elif self._receiving is not None and not self._reading_paused:
+        elif self._body_clock_runs():
             # A body that spans reads: each read moves its clock (a later deadline is
             # only stored), and a client silent for longer gets 408. A body that came
             # whole with its head never gets here.
@@ -381,7 +381,10 @@ class EdgeConnection(asyncio.Protocol):
         gathered bytes stay under the bound plus one read."""
         self._stalled_bytes += size
         limits = self._limits
-        if self._stalled_bytes > limits.max_line_bytes + limits.max_header_bytes + 4:
+        # The longest stretch with nothing out, within the limits: the rest of a target,
+        # the version and its line break, a whole first field and its line break
+        # (httptools hands a field over when the next one begins); 64 covers the breaks.
+        if self._stalled_bytes > limits.max_line_bytes + limits.max_header_bytes + 64:
             self._parse_failed(HeadRefusal.FIELD_TOO_LONG, "a header field is over the limit")
 
     def _head_timeout_s(self) -> float:
@@ -650,8 +653,15 @@ class EdgeConnection(asyncio.Protocol):
         elif not pause and self._reading_paused:
             self._reading_paused = False
             transport.resume_reading()
-            if self._receiving is not None and not self._stopped:
+            if self._body_clock_runs() and not self._stopped:
                 self._set_deadline(self._time() + self._limits.body_timeout_s, _BODY)
+
+    def _body_clock_runs(self) -> bool:
+        """A body is arriving, the router reads it, and its client was not asked to
+        wait: one that sent `Expect: 100-continue` rightly sends nothing until the 100
+        goes out (send_continue starts the clock then)."""
+        receiving = self._receiving
+        return receiving is not None and not self._reading_paused and not receiving.expect_continue
 
     # --- serving ----------------------------------------------------------------------
 
@@ -821,10 +831,16 @@ class EdgeConnection(asyncio.Protocol):
     # --- replies (called by the handler, for the request at the head of the queue) ----
 
     def send_continue(self) -> None:
-        """`100 Continue`, for a client waiting for it before it sends the body."""
+        """`100 Continue`, for a client waiting for it before it sends the body (the one
+        arriving), whose silence counts from now."""
         transport = self.transport
         if transport is not None and not self._lost:
             transport.write(continue_line())
+        receiving = self._receiving
+        if receiving is not None:
+            receiving.expect_continue = False  # said: never again, and the clock runs
+            if self._body_clock_runs() and not self._stopped:
+                self._set_deadline(self._time() + self._limits.body_timeout_s, _BODY)
 
     def answer(self, request: PublicRequest, answer: Answer) -> None:
         """One of the router's own answers, whole. The connection closes after a

@@ -198,26 +198,7 @@ async def test_a_request_line_begun_while_another_is_handled_keeps_its_head_cloc
 async def requests_read(data: bytes) -> list[PublicRequest]:
     """The requests an edge reads from `data`, sent on one connection, each answered 503
     by the handler (the reply is awaited: the request was read whole)."""
-    seen: list[PublicRequest] = []
-
-    def handler(request: PublicRequest) -> None:
-        seen.append(request)
-        request.client.answer(request, Answer("no_worker", "read"))
-        request.client.finished(request)
-
-    loop = asyncio.get_running_loop()
-    edge = EdgeServer(handler, EdgeLimits(), loop)
-    server = await loop.create_server(edge, "127.0.0.1", 0)
-    try:
-        conn = await RawHttp.open(int(server.sockets[0].getsockname()[1]))
-        conn.send(data)
-        status, _, _ = await asyncio.wait_for(conn.read_reply(), 5)
-        conn.close()
-    finally:
-        server.close()
-        await edge.shutdown(0.5)
-    assert status == 503
-    return seen
+    return await requests_read_in_pieces([data], EdgeLimits())
 
 
 @pytest.mark.parametrize(
@@ -492,3 +473,67 @@ async def test_an_answer_to_an_http10_client_kept_alive_says_so(rig: Rig, tmp_pa
         conn.close()
     assert (first, second) == (503, 503)
     assert headers["connection"] == "keep-alive"
+
+
+async def test_a_target_and_a_field_each_at_their_limit_are_not_a_stall(tmp_path: Path) -> None:
+    # Nothing comes out of the parser from the target's second read to the first field's
+    # end (httptools hands a field over when the next begins): within both limits, that
+    # stretch is not a field over the limit.
+    target = b"/" + b"u" * 1019
+    value = b"v" * (1024 - len(b"X-A: ") - 2)  # the field at max_header_bytes exactly
+    pieces = [b"GET /", target[1:] + b" HTTP/1.1\r\n", b"X-A: " + value[:500]]
+    pieces += [value[500:] + b"\r\n", b"Host: x\r\n\r\n"]
+    seen = await requests_read_in_pieces(
+        pieces, EdgeLimits(max_line_bytes=1024, max_header_bytes=1024)
+    )
+    assert [request.target for request in seen] == [target.decode()]
+
+
+async def requests_read_in_pieces(pieces: list[bytes], limits: EdgeLimits) -> list[PublicRequest]:
+    """The requests an edge with `limits` reads from `pieces`, each sent in a read of its
+    own; each is answered 503, and the first answer is awaited."""
+    seen: list[PublicRequest] = []
+
+    def handler(request: PublicRequest) -> None:
+        seen.append(request)
+        request.client.answer(request, Answer("no_worker", "read"))
+        request.client.finished(request)
+
+    loop = asyncio.get_running_loop()
+    edge = EdgeServer(handler, limits, loop)
+    server = await loop.create_server(edge, "127.0.0.1", 0)
+    try:
+        conn = await RawHttp.open(int(server.sockets[0].getsockname()[1]))
+        for piece in pieces:
+            conn.send(piece)
+            await conn.writer.drain()
+            await asyncio.sleep(0.05)  # a read each
+        status, _, _ = await asyncio.wait_for(conn.read_reply(), 5)
+        conn.close()
+    finally:
+        server.close()
+        await edge.shutdown(0.5)
+    assert status == 503
+    return seen
+
+
+async def test_a_body_whose_client_waits_for_100_continue_is_not_timed_before_it(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # Queued behind a request that takes longer than the body timeout, an Expect request
+    # rightly sends nothing until its 100 Continue: its silence counts from then.
+    conn, worker = await a_connection(rig, tmp_path, body_timeout_s=0.3)
+    try:
+        conn.send(
+            b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"POST /up HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
+        )
+        await asyncio.sleep(0.6)  # twice the body timeout, the first request parked
+        assert await status_once_released(conn, worker) == 200
+        status, _, raw = await conn.read_head()
+        assert (status, raw) == (100, b"HTTP/1.1 100 Continue\r\n\r\n")
+        conn.send(b"hello")
+        second, _, _ = await conn.read_reply()
+    finally:
+        conn.close()
+    assert second == 200
