@@ -26,6 +26,12 @@ RESTART_ONLY = {
     "state": "the journal is opened at start",
 }
 CONTROL_RESTART_ONLY = {"socket": "the control socket is bound at start"}
+# What authenticates a hello goes with the socket's kind (a secret for tcp://, uids for
+# unix:): a file that moves the socket to the other kind changes these at its restart.
+_SOCKET_AUTH = {
+    "secret": "it goes with the control socket's kind, which changes at a restart",
+    "allowed_uids": "they go with the control socket's kind, which changes at a restart",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +58,7 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
         elif name == "control":
             live, later = _control_changes(before, after)
             applied.extend(f"control.{key}" for key in live)
-            restart.extend(f"control.{key}: {CONTROL_RESTART_ONLY[key]}" for key in later)
+            restart.extend(f"control.{key}: {_RESTART_REASONS[key]}" for key in later)
         else:
             applied.append(name)
     return ReloadPlan(tuple(applied), tuple(restart))
@@ -61,13 +67,17 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
 def effective_config(old: Config, new: Config, *, source: str = "<config>") -> Config:
     """The config the router runs after the reload: `new`, except what needs a restart.
 
+    A file that moves the control socket to the other kind (unix: and tcp://) keeps
+    the running secret and uids too until the restart: they go with the socket.
+
     Raises ConfigError (prefixed with `source`, the new file) when that mix fails
-    the checks every config passes at start: a file that drops the secret along
-    with a move off the running tcp:// control socket, a static worker at the
-    running public port, one with a running spawned worker's id.
+    the checks every config passes at start: a static worker at the running public
+    port, one with a running spawned worker's id.
     """
     kept = {name: getattr(old, name) for name in RESTART_ONLY}
     control = replace(new.control, socket=old.control.socket)
+    if _kind_moves(old.control, new.control):
+        control = replace(control, secret=old.control.secret, allowed_uids=old.control.allowed_uids)
     target = replace(new, control=control, **kept)
     try:
         check_config(target, source=source)
@@ -80,11 +90,20 @@ def effective_config(old: Config, new: Config, *, source: str = "<config>") -> C
 _KEPT = ", ".join([*RESTART_ONLY, *(f"control.{key}" for key in CONTROL_RESTART_ONLY)])
 
 
+_RESTART_REASONS = {**CONTROL_RESTART_ONLY, **_SOCKET_AUTH}
+
+
+def _kind_moves(before: ControlConfig, after: ControlConfig) -> bool:
+    """The control socket moves between unix: and tcp:// (at the restart)."""
+    return before.socket.startswith("tcp://") != after.socket.startswith("tcp://")
+
+
 def _control_changes(before: ControlConfig, after: ControlConfig) -> tuple[list[str], list[str]]:
+    waits = set(CONTROL_RESTART_ONLY) | (set(_SOCKET_AUTH) if _kind_moves(before, after) else set())
     live: list[str] = []
     later: list[str] = []
     for field in fields(ControlConfig):
         key = field.name
         if getattr(before, key) != getattr(after, key):
-            (later if key in CONTROL_RESTART_ONLY else live).append(key)
+            (later if key in waits else live).append(key)
     return live, later

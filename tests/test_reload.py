@@ -87,11 +87,6 @@ def _running_and_new(new_text: str) -> tuple[Config, Config]:
 @pytest.mark.parametrize(
     ("new_text", "key_path", "reason"),
     [
-        (  # a move to a unix socket waits for a restart; the dropped secret would not
-            'listen: {host: 127.0.0.1, port: 8100}\ncontrol: {socket: "unix:/tmp/r.sock"}',
-            "control.socket",
-            "a tcp:// control socket needs secret_env or secret_file",
-        ),
         (  # the public port moves only at a restart: until then this is the router itself
             CONTROL + "listen: {host: 127.0.0.1, port: 8200}\n"
             "workers: [{id: s0, url: 'http://127.0.0.1:8100'}]",
@@ -118,6 +113,31 @@ def test_a_reload_whose_mix_with_the_running_sections_fails_the_checks_is_refuse
         "(with the running listen, admin, spawn, state, control.socket, "
         "which only a restart changes)"
     )
+
+
+@pytest.mark.parametrize(
+    "new_text",
+    [
+        'listen: {host: 127.0.0.1, port: 8100}\ncontrol: {socket: "unix:/tmp/r.sock"}',
+        "listen: {host: 127.0.0.1, port: 8100}\n"
+        'control: {socket: "unix:/tmp/r.sock", allowed_uids: [1000]}',
+    ],
+    ids=["no-uids", "uids"],
+)
+def test_a_move_to_the_other_socket_kind_keeps_the_running_authentication_until_restart(
+    new_text: str,
+) -> None:
+    # The running tcp:// socket stays until the restart, and its secret with it: the new
+    # file's (none) and its uids go with the unix: socket it moves to.
+    running, new = _running_and_new(new_text)
+    target = effective_config(running, new, source="new.yaml")
+    assert target.control.socket == running.control.socket
+    assert target.control.secret == running.control.secret is not None
+    assert target.control.allowed_uids == running.control.allowed_uids
+    plan = plan_reload(running, new)
+    assert not any(key.startswith("control.") for key in plan.applied)
+    waiting = {line.split(":")[0] for line in plan.needs_restart}
+    assert {"control.socket", "control.secret"} <= waiting
 
 
 def test_a_reload_may_not_drop_an_allowed_upstream_the_running_spawn_host_needs() -> None:
@@ -302,11 +322,11 @@ def _async(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
     return run
 
 
-async def test_a_reload_that_would_leave_the_tcp_control_socket_without_a_secret_is_refused(
+async def test_a_reload_that_moves_the_control_socket_keeps_the_running_secret_until_restart(
     rig: Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The new file moves to a unix socket (a restart) and drops the secret with it: the
-    running tcp:// socket would be left with no secret and refuse every hello."""
+    running tcp:// socket keeps its secret until the restart, so hellos still work."""
     secret = "control-secret-0123"
     monkeypatch.setenv("RELOAD_TEST_SECRET", secret)
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -324,9 +344,10 @@ async def test_a_reload_that_would_leave_the_tcp_control_socket_without_a_secret
     reply = await rig.admin("POST", "/admin/reload")
 
     body = reply.json()
-    assert (reply.status, body["error"]) == (400, "invalid_config"), body
-    assert "control.socket: a tcp:// control socket needs secret_env" in body["detail"]
-    assert service.config is before
+    assert reply.status == 200, body
+    waiting = {line.split(":")[0] for line in body["needs_restart"]}
+    assert {"control.socket", "control.secret"} <= waiting
+    assert service.config.control.secret == before.control.secret is not None
     lease = await RawLease.open(address)
     try:
         hello = await lease.hello("w0", "http://127.0.0.1:1", "boot-1", auth=secret)
