@@ -118,21 +118,23 @@ class JournalFile:
         tmp = f"{self.path}.tmp"
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
+        fd = -1
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                _write_all(fd, b"".join(_line(r) for r in records))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+            _write_all(fd, b"".join(_line(r) for r in records))
+            os.fsync(fd)
             os.replace(tmp, self.path)
         except OSError:
+            if fd >= 0:
+                os.close(fd)
             # A half-written snapshot must not stay behind to fill the disk further.
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+        # The snapshot's own descriptor goes on appending: it is the file now at the
+        # path, and no second open can fail after the rename and leave none.
         self.close()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._fd = fd
         self._lines = len(records)
 
     def compact_during_run(self, core: RouterCore, mono_now: float) -> bool:

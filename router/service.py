@@ -481,13 +481,14 @@ WORKER_SILENCE_MAX_S = 5.0
 
 
 def _warn_of_a_short_lease(lease_timeout_s: float) -> None:
-    """A lease this short suits only workers that ping more often than the protocol asks
-    (tests do): one that sends something every 5 s would be taken as lost, again and
-    again. Allowed, but said at start."""
-    if lease_timeout_s <= WORKER_SILENCE_MAX_S:
+    """A lease under two of the protocol's silences suits only workers that ping more
+    often than it asks (tests do): one that sends something every 5 s would be taken
+    as lost whenever a ping is a little late, or every time at 5 s and under.
+    Allowed, but said at start."""
+    if lease_timeout_s < 2 * WORKER_SILENCE_MAX_S:
         log.warning(
-            "control.lease_timeout_s is at most 5 s: a worker that pings only every 5 s, "
-            "as the protocol allows, will be taken as lost",
+            "control.lease_timeout_s is under 10 s: a worker that pings only every 5 s, "
+            "as the protocol allows, may be taken as lost",
             extra={"lease_timeout_s": lease_timeout_s},
         )
 
