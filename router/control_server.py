@@ -393,12 +393,23 @@ class ControlServer:
         if op == "hello" and ok and session.worker is not None:
             worker = session.worker
             log.info("worker live", extra={"worker": worker.id, "url": worker.url})
+            self._close_superseded(session, worker)
         if self._metrics is None:
             return
         result = "ok" if ok else str(reply.get("error"))
         self.count_op(op if isinstance(op, str) else "invalid", result)
         if op == "hello" and ok:
             self._metrics.worker_transition("live")
+
+    def _close_superseded(self, session: ControlSession, worker: Worker) -> None:
+        """A hello took `worker`'s lease over from another connection (a worker that
+        reconnected while its old connection still looked open, a half-open one most
+        often). The old one can do nothing more (its lines get no_hello): it is closed,
+        not left to hold a descriptor for as long as its peer stays silent."""
+        for connection in list(self.connections):
+            other = connection.session
+            if other is not None and other is not session and other.worker is worker:
+                connection.close()
 
     def count_op(self, op: str, result: str) -> None:
         """Count one answered request in the metrics."""

@@ -647,6 +647,23 @@ async def test_a_lease_closed_without_bye_is_reported_lost(tmp_path: Path) -> No
         assert [(w.id, w.state.value) for w in control.lost] == [("w0", "lost")]
 
 
+async def test_a_connection_whose_lease_another_took_over_is_closed(tmp_path: Path) -> None:
+    # The worker reconnected (same boot) while its old connection still looked open: the
+    # old one can do nothing more, and is closed rather than held for as long as its
+    # peer stays silent. The lease is not lost: the new connection holds it.
+    async with served(_unix(tmp_path)) as control:
+        old = await RawLease.open(control.address)
+        assert (await _hello(old))["ok"] is True
+        new = await RawLease.open(control.address)
+        assert (await _hello(new))["ok"] is True
+
+        assert await old.closed_by_peer(timeout_s=5.0)
+        await wait_until(_connections(control, 1), "the old connection to end")
+        assert (await new.call("claim", key="ep-a0"))["ok"] is True
+        assert control.lost == []
+        new.abort()
+
+
 async def test_bye_retires_the_worker_and_is_not_a_lost_lease(tmp_path: Path) -> None:
     async with served(_unix(tmp_path)) as control:
         lease = await RawLease.open(control.address)
