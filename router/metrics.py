@@ -196,12 +196,8 @@ class RouterMetrics:
         its first increase. prometheus_client's `labels()` costs about 1.3 µs (label
         checks, a lock, a dict), so the children the colder paths use are found in
         plain dicts; the hot counts are plain dict entries of _HotCollector."""
-        requests = self._hot.requests
         for kind in self._kind_labels.values():
-            self._hot.forwarded[kind] = [0] * len(CLASS_LABELS)
-            self._hot.prebound_kinds.add(kind)
-            for code, status in STATUS_BY_CODE.items():
-                requests[kind, code, status_class(status)] = 0
+            self._prebind_kind(kind)
         # Successes are pre-bound; errors (at most 8 ops x 13 results) appear when first seen.
         for op in CONTROL_OPS:
             self._hot.control_ops[op, "ok"] = 0
@@ -210,6 +206,24 @@ class RouterMetrics:
         self._learn_conflict_children = {k: self._learn_conflicts.labels(k) for k in kinds}
         self._transition_children = {s: self._worker_transitions.labels(s) for s in WORKER_STATES}
         self._failure_children: dict[tuple[str, str], Counter] = {}
+
+    def _prebind_kind(self, kind: str) -> None:
+        self._hot.forwarded[kind] = [0] * len(CLASS_LABELS)
+        self._hot.prebound_kinds.add(kind)
+        requests = self._hot.requests
+        for code, status in STATUS_BY_CODE.items():
+            requests[kind, code, status_class(status)] = 0
+
+    def add_kinds(self, kinds: Iterable[str]) -> None:
+        """Session kinds a config reload added get their own label from now on (not
+        `other`). A kind removed keeps its series: the labels stay the configs' kinds."""
+        for kind in kinds:
+            if kind in self._kind_labels:
+                continue
+            self._kind_labels[kind] = kind
+            self._prebind_kind(kind)
+            self._learned_children[kind] = self._learned.labels(kind)
+            self._learn_conflict_children[kind] = self._learn_conflicts.labels(kind)
 
     # -- the hot path ----------------------------------------------------------
 

@@ -376,6 +376,7 @@ class RouterService:
         self.core.claims.tombstone_ttl_s = target.claims.tombstone_ttl_s
         self.core.claims.max_tombstones = target.claims.max_tombstones
         self.handler.sessions = reader
+        self.metrics.add_kinds(kind.name for kind in target.sessions)
         self.handler.max_body_bytes = target.limits.max_body_bytes
         self.handler.access_log = target.log.access
         self.forwarder.max_body_bytes = target.limits.max_body_bytes

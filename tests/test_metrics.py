@@ -121,6 +121,16 @@ def test_a_forward_outside_the_known_statuses_and_kinds_counts_as_other() -> Non
     ]
 
 
+def test_a_kind_a_reload_adds_gets_its_own_label() -> None:
+    metrics = new_metrics(kinds=("episode",))
+    metrics.add_kinds(["episode", "rollout"])
+    metrics.request_done("rollout", "forwarded", 200, 0.01)
+    metrics.learned("rollout")
+    samples = scrape(metrics)
+    assert series(samples, REQ) == {"kind=rollout,outcome=forwarded,status_class=2xx": 1}
+    assert series(samples, "episode_router_learned_claims_total") == {"kind=rollout": 1}
+
+
 def test_request_done_counts_by_kind_outcome_and_status_class() -> None:
     metrics = new_metrics()
     metrics.request_done("episode", "forwarded", 200, 0.02)

@@ -24,6 +24,7 @@ from router_fixtures import (
     token,
     wait_until,
 )
+from test_metrics import scrape, series
 
 from router.config import (
     Config,
@@ -228,6 +229,8 @@ limits: {max_body_bytes: 1000}
     chat = await rig.request("POST", "/tool", headers={"X-Chat": "conversation-1"})
     assert chat.status == 200 and chat.worker in ("w0", "w1")
     assert rig.router.core.claims.held_total == 20  # the claim table went through untouched
+    forwarded = series(scrape(rig.router.metrics), "episode_router_requests_total")
+    assert forwarded["kind=chat,outcome=forwarded,status_class=2xx"] == 1  # its own label
 
 
 async def test_a_broken_config_is_refused_and_the_old_one_keeps_serving(
