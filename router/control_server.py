@@ -264,6 +264,12 @@ class _Connection(asyncio.Protocol):
         if session.worker is not None and self._hello_timer is not None:
             self._hello_timer.cancel()
             self._hello_timer = None
+        elif session.worker is None and self._hello_timer is None:
+            # A `bye` left the connection with no lease: like a new one, it must say
+            # hello again in time, or it is closed (a peer that said bye and went
+            # silent would hold a descriptor for ever).
+            loop = asyncio.get_running_loop()
+            self._hello_timer = loop.call_later(server.hello_deadline_s, self._hello_overdue)
         return reply
 
     def _refuse_long_line(self) -> None:

@@ -707,3 +707,22 @@ async def test_a_connection_that_never_says_hello_is_closed_at_the_deadline(
         writer.close()
     finally:
         await server.close()
+
+
+async def test_a_connection_that_said_bye_must_say_hello_again_in_time(tmp_path: Path) -> None:
+    # With no lease left, it is like a new connection: silent past the hello deadline,
+    # it is closed rather than held for ever.
+    core = RouterCore(CoreSettings(kinds={"episode": False}), time.monotonic())
+    server = ControlServer(core, _policy(), on_lease_lost=lambda worker: None, hello_deadline_s=0.3)
+    await server.start(_unix(tmp_path))
+    try:
+        lease = await RawLease.open(_unix(tmp_path))
+        assert (await _hello(lease))["ok"] is True
+        await asyncio.sleep(0.5)  # past the deadline while it holds a lease: kept
+        assert await lease.call("bye") == {"id": 2, "ok": True}
+        started = time.monotonic()
+        assert await lease.closed_by_peer(timeout_s=5.0)
+        assert 0.25 <= time.monotonic() - started < 3.0
+        lease.abort()
+    finally:
+        await server.close()
