@@ -102,10 +102,7 @@ class PublicHandler:
 
     async def _session_from_body(self, exchange: _Exchange) -> None:
         request = exchange.request
-        if request.expect_continue and not request.body_complete:
-            # The session is in the body: a client that waits for this before sending it
-            # would otherwise stall until its own expect timeout.
-            request.client.send_continue()
+        _continue_if_expected(request)  # the session is in the body: let it come
         try:
             exchange.body = await request.read()
         except BodyBroken as broken:
@@ -222,10 +219,7 @@ class PublicHandler:
         forward the lane handed over); None to make it here."""
         request = exchange.request
         sessionless = exchange.found is None
-        if request.expect_continue and not request.body_complete:
-            # The client waits for this before it sends the body; the worker never
-            # sees Expect (the forwarder drops it), so the router says it here.
-            request.client.send_continue()
+        _continue_if_expected(request)  # the worker never sees Expect: said here
         tried: set[str] = set()
         while True:
             worker = decision.worker
@@ -491,6 +485,14 @@ def _public_base(host: str) -> str:
     last.host = host
     last.base = base
     return base
+
+
+def _continue_if_expected(request: PublicRequest) -> None:
+    """`100 Continue` for a client that waits for it before it sends the body (once:
+    the edge then clears `expect_continue`); without it, the client stalls until its
+    own expect timeout."""
+    if request.expect_continue and not request.body_complete:
+        request.client.send_continue()
 
 
 def _body_timeout_answer(reason: str) -> Answer:

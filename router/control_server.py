@@ -128,8 +128,7 @@ class _Connection(asyncio.Protocol):
         # While more than WRITE_BUFFER_HIGH of replies is unsent, pause_writing stops
         # reading this peer (DESIGN §3 backpressure).
         self.transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
-        loop = asyncio.get_running_loop()
-        self._hello_timer = loop.call_later(server.hello_deadline_s, self._hello_overdue)
+        self._arm_hello_deadline()
         server.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -268,9 +267,12 @@ class _Connection(asyncio.Protocol):
             # A `bye` left the connection with no lease: like a new one, it must say
             # hello again in time, or it is closed (a peer that said bye and went
             # silent would hold a descriptor for ever).
-            loop = asyncio.get_running_loop()
-            self._hello_timer = loop.call_later(server.hello_deadline_s, self._hello_overdue)
+            self._arm_hello_deadline()
         return reply
+
+    def _arm_hello_deadline(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._hello_timer = loop.call_later(self._server.hello_deadline_s, self._hello_overdue)
 
     def _refuse_long_line(self) -> None:
         self._buffer.clear()

@@ -366,11 +366,11 @@ class EdgeConnection(asyncio.Protocol):
             # request line (llhttp calls back from its target on). The head's clock
             # starts now, and runs on past the request being handled (_dispatch).
             self._set_deadline(self._time() + self._head_timeout_s(), _HEAD)
-        elif self._body_clock_runs():
+        else:
             # A body that spans reads: each read moves its clock (a later deadline is
             # only stored), and a client silent for longer gets 408. A body that came
             # whole with its head never gets here.
-            self._set_deadline(self._time() + self._limits.body_timeout_s, _BODY)
+            self._restart_body_clock()
 
     def _note_stalled(self, size: int) -> None:
         """A read that delivered nothing (no head began, no field or body bytes came out,
@@ -653,15 +653,21 @@ class EdgeConnection(asyncio.Protocol):
         elif not pause and self._reading_paused:
             self._reading_paused = False
             transport.resume_reading()
-            if self._body_clock_runs() and not self._stopped:
-                self._set_deadline(self._time() + self._limits.body_timeout_s, _BODY)
+            self._restart_body_clock()
 
-    def _body_clock_runs(self) -> bool:
-        """A body is arriving, the router reads it, and its client was not asked to
-        wait: one that sent `Expect: 100-continue` rightly sends nothing until the 100
-        goes out (send_continue starts the clock then)."""
+    def _restart_body_clock(self) -> None:
+        """Gives the body arriving body_timeout_s from now, when its clock runs: the
+        router reads it, and its client was not asked to wait (one that sent `Expect:
+        100-continue` rightly sends nothing until the 100 goes out: send_continue
+        starts the clock then)."""
         receiving = self._receiving
-        return receiving is not None and not self._reading_paused and not receiving.expect_continue
+        if (
+            receiving is not None
+            and not self._reading_paused
+            and not self._stopped
+            and not receiving.expect_continue
+        ):
+            self._set_deadline(self._time() + self._limits.body_timeout_s, _BODY)
 
     # --- serving ----------------------------------------------------------------------
 
@@ -839,8 +845,7 @@ class EdgeConnection(asyncio.Protocol):
         receiving = self._receiving
         if receiving is not None:
             receiving.expect_continue = False  # said: never again, and the clock runs
-            if self._body_clock_runs() and not self._stopped:
-                self._set_deadline(self._time() + self._limits.body_timeout_s, _BODY)
+            self._restart_body_clock()
 
     def answer(self, request: PublicRequest, answer: Answer) -> None:
         """One of the router's own answers, whole. The connection closes after a

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from router.spawn_plan import (
     ENV_PREFIX,
@@ -233,15 +234,24 @@ class Spawner:
         pgid = _adopted_group(worker, pid)
         if pgid is None:
             return
+        gone_by = functools.partial(_members_gone_by, pgid)
+        await self._term_then_kill(f"{worker.worker_id} (adopted)", pgid, gone_by)
+
+    async def _term_then_kill(
+        self, name: str, pgid: int, gone_by: Callable[[float], Awaitable[bool]]
+    ) -> bool:
+        """SIGTERM to process group `pgid`, then SIGKILL if `gone_by(deadline)` says it
+        outlived stop_timeout_s; True when SIGTERM was enough."""
         _signal_group(pgid, signal.SIGTERM)
-        if await _members_gone_by(pgid, time.monotonic() + self.spec.stop_timeout_s):
-            return
+        if await gone_by(time.monotonic() + self.spec.stop_timeout_s):
+            return True
         logger.warning(
-            "spawn: worker %s (adopted) still running %.1f s after SIGTERM; sending SIGKILL",
-            worker.worker_id,
+            "spawn: worker %s still running %.1f s after SIGTERM; sending SIGKILL",
+            name,
             self.spec.stop_timeout_s,
         )
         _signal_group(pgid, signal.SIGKILL)
+        return False
 
     async def _wait_exit_or_stop(
         self, worker: SpawnedWorker, proc: asyncio.subprocess.Process
@@ -273,15 +283,9 @@ class Spawner:
             logger.exception("spawn: on_exit failed for worker %s", worker.worker_id)
 
     async def _terminate(self, worker: SpawnedWorker, proc: asyncio.subprocess.Process) -> None:
-        _signal_group(proc.pid, signal.SIGTERM)
-        if await _group_gone_by(proc, time.monotonic() + self.spec.stop_timeout_s):
+        gone_by = functools.partial(_group_gone_by, proc)
+        if await self._term_then_kill(worker.worker_id, proc.pid, gone_by):
             return
-        logger.warning(
-            "spawn: worker %s still running %.1f s after SIGTERM; sending SIGKILL",
-            worker.worker_id,
-            self.spec.stop_timeout_s,
-        )
-        _signal_group(proc.pid, signal.SIGKILL)
         try:
             await asyncio.wait_for(proc.wait(), KILL_WAIT_S)
         except TimeoutError:
