@@ -279,13 +279,16 @@ class ControlSession:
         for holder in self.core.workers:
             if holder.url == url and holder.id != worker_id and holder.state is WorkerState.LIVE:
                 return "worker_busy", f"Another live worker ({holder.id}) has this url."
+        existing = self.core.workers.get(worker_id)
+        if existing is not None and existing.origin is WorkerOrigin.STATIC:
+            # The config's id, probed at the config's url: a hello would retire it (its
+            # sessions 410) and send its traffic wherever the hello says.
+            return "worker_busy", "A static worker (the config's `workers:`) has this id."
         # This connection's own lease too: a second hello on it with another boot or url
         # would retire the worker it speaks for (and close this very connection).
-        existing = self.core.workers.get(worker_id)
         if (
             existing is not None
             and existing.state is WorkerState.LIVE
-            and existing.origin is not WorkerOrigin.STATIC
             and (existing.boot != boot or existing.url != url)
         ):
             return "worker_busy", "A live worker with this id holds the lease."

@@ -25,8 +25,11 @@ from playbook import (
     Close,
     Expect,
     Fwd,
+    Learn,
     Playbook,
     R,
+    Register,
+    Retire,
     Route,
     Send,
     Step,
@@ -51,6 +54,7 @@ from router.control import (
     valid_upstream_url,
 )
 from router.core import CoreSettings, RouterCore
+from router.workers import WorkerOrigin
 
 # Hypothesis caches what it learns of the source: not in the work tree.
 set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "episode-router-hypothesis")
@@ -490,6 +494,23 @@ def test_a_live_worker_id_with_another_boot_or_url_is_worker_busy() -> None:
             (Send("b", hello(2, "w0", url="http://127.0.0.1:9999")), err(2, "worker_busy")),
             (Send("b", claim(3, "ep2")), err(3, "no_hello")),
             (Send("a", claim(3, "ep2")), ok(3), {C("ep2"): "held w0"}),
+        ]
+    )
+
+
+def test_a_static_workers_id_is_worker_busy_live_or_exited() -> None:
+    # A hello would retire the configured worker (its sessions 410) and take its traffic.
+    static = "http://127.0.0.1:9100"
+    book().run(
+        [
+            (Register("s0", static, WorkerOrigin.STATIC), None, {W("s0"): "live static"}),
+            (Learn("s0", "ep9"), None, {C("ep9"): "held s0 learned"}),
+            (Send("a", hello(1, "s0")), err(1, "worker_busy")),
+            (Send("a", hello(2, "s0", url=static)), err(2, "worker_busy")),
+            (Route("ep9"), Fwd("s0", "ep9")),
+            (Send("a", claim(3, "ep2")), err(3, "no_hello")),
+            (Retire("s0"), 1, {W("s0"): "exited static", C("ep9"): "exited s0 learned", R("s0"): 1}),
+            (Send("a", hello(4, "s0", url=static)), err(4, "worker_busy")),
         ]
     )
 
