@@ -246,9 +246,11 @@ class PublicHandler:
             if self.metrics is not None:
                 self.metrics.upstream_failure(worker.id, outcome.kind)
             gone = outcome.kind != "timeout" and await self._check_worker(worker)
-            retriable = sessionless and outcome.kind == "refused" and not outcome.request_sent
+            # Nothing of it reached that worker (a refused connect, a pool closed under
+            # it as the worker was replaced, a failed first write): another one may
+            # take a sessionless request. Not after a timeout: each try would cost one.
+            retriable = sessionless and outcome.kind != "timeout" and not outcome.request_sent
             if retriable and len(tried) < MAX_SESSIONLESS_TRIES:
-                # Nothing reached that worker: another one may take the request.
                 retry = self.core.balance(None, frozenset(tried))
                 if isinstance(retry, Forward):
                     decision = retry
@@ -346,9 +348,8 @@ class PublicHandler:
         session = decision.session
         gone = gone or decision.worker.state in (WorkerState.EXITED, WorkerState.LOST)
         if failure.kind == "refused" or (gone and failure.kind == "error"):
-            return Answer(
-                "worker_exited", "The worker that ran this episode is no longer running.", session
-            )
+            ran = "ran this episode" if session is not None else "was chosen for this request"
+            return Answer("worker_exited", f"The worker that {ran} is no longer running.", session)
         if failure.kind == "timeout":
             return Answer("upstream_timeout", "The worker did not answer in time.", session)
         return Answer("upstream_error", f"The worker failed: {failure.detail}", session)

@@ -29,6 +29,7 @@ from router_fixtures import (
     MiB,
     PeakRss,
     RawHttp,
+    RawLease,
     Rig,
     episode_key,
     open_rig,
@@ -459,6 +460,58 @@ async def test_a_sessionless_request_refused_by_one_worker_is_retried_on_another
     assert reply.status == 200 and reply.worker == "w1"
     assert reply.json()["body_bytes"] == 7  # the body went out once, whole, to w1
     assert (await rig.worker_views())["w0"]["state"] == "exited"
+
+
+async def test_a_sessionless_request_refused_everywhere_is_410_about_the_request(
+    rig: Rig,
+) -> None:
+    await rig.start_router()
+    for worker_id in ("w0", "w1", "w2", "w3"):
+        gone = await rig.add_worker(worker_id, lease="raw")
+        await gone.close_http()
+
+    reply = await rig.request("POST", "/seed", data=b"x")
+
+    reply.assert_answer(410, "worker_exited", None)  # three tried, the last one answered
+    assert (await rig.worker_views())["w3"]["state"] == "live"
+    assert (
+        reply.json()["detail"]
+        == "The worker that was chosen for this request is no longer running."
+    )
+
+
+async def test_a_sessionless_request_queued_for_a_worker_that_exits_goes_to_another(
+    rig: Rig,
+) -> None:
+    await rig.start_router()
+    rig.router.forwarder._pool_size = 1  # one connection to w0: the next request queues
+    w0 = await rig.add_worker("w0", lease="raw")
+    await rig.add_worker("w1")
+    assert (await rig.admin("POST", "/admin/workers/w1/drain")).status == 200
+    held = asyncio.ensure_future(rig.request("POST", "/hang", data=b"a"))
+
+    async def w0_holds_it() -> bool:
+        return w0.parked == 1
+
+    await wait_until(w0_holds_it, "w0 to hold the first request")
+    queued = asyncio.ensure_future(rig.request("POST", "/queued", data=b"bb"))
+    await asyncio.sleep(0.2)  # decided for w0, waiting for its one connection
+    assert (await rig.admin("DELETE", "/admin/workers/w1/drain")).status == 200
+    # w0's process is replaced (a new boot): the old one's pool closes under the queue.
+    assert w0.lease is not None
+    w0.lease.abort()
+    await rig.wait_worker_state("w0", "lost")
+    again = await RawLease.open(rig.control_address)
+    assert (await again.hello("w0", w0.url, "boot-2"))["ok"] is True
+
+    reply = await queued
+
+    assert reply.status == 200 and reply.worker == "w1"  # nothing had reached w0
+    assert reply.json()["body_bytes"] == 2
+    assert [seen.path for seen in w0.seen] == ["/hang"]
+    held.cancel()
+    await asyncio.gather(held, return_exceptions=True)
+    again.abort()
 
 
 async def test_a_session_request_is_never_retried_on_another_worker(rig: Rig) -> None:
