@@ -509,7 +509,11 @@ def test_a_static_workers_id_is_worker_busy_live_or_exited() -> None:
             (Send("a", hello(2, "s0", url=static)), err(2, "worker_busy")),
             (Route("ep9"), Fwd("s0", "ep9")),
             (Send("a", claim(3, "ep2")), err(3, "no_hello")),
-            (Retire("s0"), 1, {W("s0"): "exited static", C("ep9"): "exited s0 learned", R("s0"): 1}),
+            (
+                Retire("s0"),
+                1,
+                {W("s0"): "exited static", C("ep9"): "exited s0 learned", R("s0"): 1},
+            ),
             (Send("a", hello(4, "s0", url=static)), err(4, "worker_busy")),
         ]
     )
