@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Final, Protocol
 
 from router.answers import Answer
 from router.config import LearnConfig, RouteConfig, SessionKindConfig, SignatureConfig
@@ -147,6 +147,10 @@ class SessionRef:
         self.key = key
 
 
+# Session formats whose text cannot hold a comma (base64url, dots, dashes).
+_COMMA_FREE_FORMATS: Final = frozenset({"jws", "itsdangerous"})
+
+
 @dataclass(slots=True)
 class _Ordered:
     head: list[SessionKind] = field(default_factory=list)  # sources 1-3
@@ -172,6 +176,13 @@ class SessionReader:
             for kind in self.kinds
             if kind.source == "header" and kind.format == "jws"
         }
+        # Header kinds whose values never hold a comma: a line `A, B` is two values (RFC
+        # 9110 §5.3, as a proxy joins repeated lines), so it is as ambiguous as two lines.
+        self._listed = frozenset(
+            kind.name
+            for kind in self.kinds
+            if kind.source == "header" and kind.format in _COMMA_FREE_FORMATS
+        )
         # Requests that cannot use a feature skip it: an episode-token-only setup
         # pays for none of seeds, bodies, paths or learning.
         self.has_seeds = any(kind.seed is not None for kind in self.kinds)
@@ -252,6 +263,8 @@ class SessionReader:
         return None
 
     def _decide(self, kind: SessionKind, values: list[str], now: float) -> SessionRef | Answer:
+        if kind.name in self._listed:
+            values = _list_items(values)
         if len(values) > 1 and any(value != values[0] for value in values[1:]):
             label = f"{kind.cookie} cookie" if kind.source == "cookie" else f"{kind.header} header"
             return Answer("ambiguous_session", f"The {label} is repeated with different values.")
@@ -262,6 +275,17 @@ class SessionReader:
             return SessionRef(kind.name, session_key(kind, values[0], now))
         except RefusedValue as exc:  # a TokenError or a FormatError
             return Answer(exc.code, exc.detail)
+
+
+def _list_items(values: list[str]) -> list[str]:
+    """The items of header lines that may each be a comma-separated list, stripped of
+    spaces and tabs, empty ones dropped; `values` itself when none holds a comma, or
+    when nothing but commas and spaces is there (then refused as it stands)."""
+    for value in values:
+        if "," in value:
+            items = [item.strip(" \t") for value in values for item in value.split(",")]
+            return [item for item in items if item] or values
+    return values
 
 
 def session_key(kind: SessionKind, value: str, now: float) -> str:

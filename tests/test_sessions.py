@@ -656,6 +656,19 @@ def test_a_session_header_repeated_with_the_same_value_is_read_once() -> None:
     assert read(reader, ids) == SessionRef("mcp_session", "m1")
 
 
+def test_token_values_joined_in_one_line_read_as_repeated_lines() -> None:
+    # A proxy may join repeated lines with commas (RFC 9110 §5.3); a token holds none.
+    reader = reader_of(EPISODE, MCP)
+    one, other = jws("ep1"), jws("ep2")
+    assert refused(read(reader, header(TOKEN_HEADER, f"{one}, {other}"))) == "ambiguous_session"
+    assert refused(read(reader, header(TOKEN_HEADER, f"{one},{one}x"))) == "ambiguous_session"
+    for same in (f"{one}, {one}", f"{one},\t{one}", f" ,{one}, "):
+        assert read(reader, header(TOKEN_HEADER, same)) == SessionRef("episode", "ep1-a0")
+    assert refused(read(reader, header(TOKEN_HEADER, " , "))) == "invalid_token"
+    # An MCP session id may hold a comma: it is one value, read as it stands.
+    assert read(reader, header("Mcp-Session-Id", "m1,m2")) == SessionRef("mcp_session", "m1,m2")
+
+
 def test_a_cookie_repeated_with_different_values_is_ambiguous() -> None:
     reader = reader_of(RESOURCES)
     one = starlette_cookie({"session_id": "c1"})
