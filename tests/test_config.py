@@ -781,7 +781,7 @@ BAD: dict[str, Bad] = {
         "cannot be split into arguments the way a shell would: No closing quotation",
     ),
     "spawn command with a NUL byte": Bad(
-        'spawn: {command: "srv --port {port}\\0"}', "spawn.command", "contains a NUL byte"
+        'spawn: {command: "srv --port {port}\\0"}', "spawn.command", "must not contain a NUL"
     ),
     # spawned workers that could never register
     "static worker with a spawned worker's id": Bad(
@@ -1408,6 +1408,14 @@ def test_load_config_empty_file_gives_defaults(tmp_path: Path) -> None:
             f"{VERIFY}.secret_file",
             "cannot read",
         ),
+        # Before any file is opened (open() would raise ValueError, not OSError).
+        (
+            b'control: {socket: "tcp://127.0.0.1:7001", secret_file: "/run/a\\0b"}',
+            "control.secret_file",
+            "must not contain a NUL character",
+        ),
+        (b'state: {path: "/var/lib/router\\0"}', "state.path", "NUL"),
+        (b'control: {socket: "unix:/run/r\\0.sock"}', "control.socket", "NUL"),
     ],
 )
 def test_load_config_errors_start_with_the_path(

@@ -151,6 +151,9 @@ def _exponent_hint(value: object) -> str:
 def _text(ctx: _Context, key_path: str, value: object) -> str:
     if not isinstance(value, str) or not value:
         raise ctx.fail(key_path, f"expected a non-empty string, got {_describe(value)}")
+    if "\0" in value:
+        # No path, host, name or command can hold one (the OS would refuse it at run).
+        raise ctx.fail(key_path, "must not contain a NUL character")
     return value
 
 
