@@ -94,7 +94,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def serve(config: Config, banner: str | None = None, config_path: str | None = None) -> int:
     """Run the router with `config` until SIGTERM or SIGINT."""
-    from router.service import RouterService, run_until_signalled
+    from router.process import run_until_signalled
+    from router.service import RouterService
 
     setup_logging(config.log)
     _install_uvloop()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from router.config import Config, ConfigError, ControlConfig, check_config
+from router.config import Config, ConfigError, ControlConfig, check_config, is_tcp_socket
 
 # Sections a running router cannot change: they name sockets it holds open or
 # processes and files it owns. The reason is said back to the operator.
@@ -95,7 +95,7 @@ _RESTART_REASONS = {**CONTROL_RESTART_ONLY, **_SOCKET_AUTH}
 
 def _kind_moves(before: ControlConfig, after: ControlConfig) -> bool:
     """The control socket moves between unix: and tcp:// (at the restart)."""
-    return before.socket.startswith("tcp://") != after.socket.startswith("tcp://")
+    return is_tcp_socket(before.socket) != is_tcp_socket(after.socket)
 
 
 def _control_changes(before: ControlConfig, after: ControlConfig) -> tuple[list[str], list[str]]:

@@ -3,19 +3,23 @@
 `RouterService(config).start()` brings up, in order: the core, the control
 socket, static workers and their prober, spawned workers, the public and the
 admin listeners, and the periodic tick. `stop()` undoes that in reverse, letting
-in-flight requests finish first (SIGTERM semantics).
+in-flight requests finish first (SIGTERM semantics). `reload(new)` hands what a
+new config changes to each running part (router.reload decides what may change).
+
+It owns the parts' wiring: which part is built from what, the order of start and
+stop, the tasks it runs, and what a worker's events do to the other parts. It
+never computes a part's settings from the config (router.service_settings), sets
+a listener's socket options (router.listeners), decides what a probe or a `workers:`
+list means for a worker (router.service_workers) or handles signals (router.process).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import gc
 import logging
-import os
 import secrets
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine
 from typing import Any
 
 from aiohttp import web
@@ -23,43 +27,35 @@ from aiohttp import web
 from router.admin import admin_application
 from router.app import PublicHandler
 from router.build import build_name
-from router.config import Config, ConfigError, load_config
-from router.control import ControlPolicy, ControlSession
+from router.config import Config, load_config
+from router.control import ControlSession
 from router.control_server import ControlServer
-from router.core import CoreSettings, RouterCore
-from router.edge import EdgeLimits, EdgeServer
-from router.health import HealthProber, probe_connect
+from router.core import RouterCore
+from router.edge import EdgeServer
+from router.health import HealthProber
 from router.journal import JournalFile, replay
+from router.listeners import bound_port, serve_admin, serve_public
 from router.logs import setup_logging
 from router.metrics import RouterMetrics
-from router.relay import Forwarder, ForwardTimeouts
+from router.relay import Forwarder
 from router.reload import ReloadPlan, effective_config, plan_reload
-from router.sessions import SessionKind, SessionReader, kind_from_config
-from router.spawn import SpawnedWorker, Spawner, SpawnSpec
+from router.service_settings import (
+    control_policy,
+    core_settings,
+    edge_limits,
+    forward_timeouts,
+    session_kinds,
+    spawn_spec,
+    warn_of_a_short_lease,
+)
+from router.service_workers import check_worker, sync_static_workers
+from router.sessions import SessionReader
+from router.spawn import SpawnedWorker, Spawner
 from router.workers import Worker, WorkerOrigin, WorkerState
 
 log = logging.getLogger("episode_router")
 
-PUBLIC_BACKLOG = 1024  # pending connections on the public port (asyncio's default: 100)
 TICK_INTERVAL_S = 0.25  # lease, grace and recovery deadlines are checked this often
-
-
-def core_settings(config: Config) -> CoreSettings:
-    return CoreSettings(
-        kinds={kind.name: kind.unclaimed == "forward" for kind in config.sessions},
-        mcp_kinds=frozenset(kind.name for kind in config.sessions if kind.mcp is not None),
-        lease_timeout_s=config.control.lease_timeout_s,
-        reconnect_grace_s=config.control.reconnect_grace_s,
-        tombstone_ttl_s=config.claims.tombstone_ttl_s,
-        max_tombstones=config.claims.max_tombstones,
-        recovery_window_s=config.claims.recovery_window_s,
-        learned_idle_ttl_s=config.claims.learned_idle_ttl_s,
-        health_failures=config.health.failures,
-    )
-
-
-def session_kinds(config: Config) -> list[SessionKind]:
-    return [kind_from_config(kind) for kind in config.sessions]
 
 
 class RouterService:
@@ -75,7 +71,10 @@ class RouterService:
         self.forwarder.max_body_bytes = config.limits.max_body_bytes
         self.metrics = self._build_metrics()
         self.control = ControlServer(
-            self.core, self._control_policy(), on_lease_lost=self._lease_lost, metrics=self.metrics
+            self.core,
+            control_policy(config, self.boot),
+            on_lease_lost=self._lease_lost,
+            metrics=self.metrics,
         )
         self.handler = PublicHandler(
             self.core,
@@ -120,16 +119,6 @@ class RouterService:
             kinds=[kind.name for kind in self.config.sessions],
         )
 
-    def _control_policy(self, config: Config | None = None) -> ControlPolicy:
-        control = (config or self.config).control
-        return ControlPolicy(
-            own_uid=os.getuid(),
-            allowed_uids=frozenset(control.allowed_uids),
-            allowed_upstreams=frozenset(control.allowed_upstreams),
-            secret=control.secret,
-            router_boot=self.boot,
-        )
-
     # -- start / stop --------------------------------------------------------
 
     async def start(self) -> None:
@@ -154,7 +143,7 @@ class RouterService:
 
     async def _start(self) -> None:
         config = self.config
-        _warn_of_a_short_lease(config.control.lease_timeout_s)
+        warn_of_a_short_lease(config.control.lease_timeout_s)
         self.control.bind(config.control.socket)  # first: it fails if another router runs
         if config.state.path is not None:
             self._open_journal(config.state.path)  # before any hello can arrive
@@ -167,14 +156,19 @@ class RouterService:
             self.prober.start()
         if config.spawn is not None:
             await self._start_spawner()
-        with _naming_the_listener("listen", config.listen.host, config.listen.port):
-            self._public = await self._serve_public()
+        self._edge = EdgeServer(
+            self.handler.handle, edge_limits(config), asyncio.get_running_loop()
+        )
+        self._public = await serve_public(self._edge, config.listen.host, config.listen.port)
         self.public_port = int(self._public.sockets[0].getsockname()[1])
-        with _naming_the_listener("admin", config.admin.host, config.admin.port):
-            self._admin = await self._listen(
-                admin_application(self), config.admin.host, config.admin.port
-            )
-        self.admin_port = _bound_port(self._admin)
+        self._admin = await serve_admin(
+            admin_application(self),
+            config.admin.host,
+            config.admin.port,
+            access_log=log if config.log.access else None,
+            shutdown_grace_s=config.timeouts.shutdown_grace_s,
+        )
+        self.admin_port = bound_port(self._admin)
         self._spawn_task(self._tick_forever(), "tick")
         log.info(
             "router started",
@@ -238,49 +232,11 @@ class RouterService:
             await self._admin.cleanup()
         log.info("router stopped")
 
-    async def _serve_public(self) -> asyncio.Server:
-        """The public listener: the edge server, every request to one handler."""
-        config = self.config
-        loop = asyncio.get_running_loop()
-        self._edge = EdgeServer(self.handler.handle, edge_limits(config), loop)
-        return await loop.create_server(
-            self._edge,
-            config.listen.host,
-            config.listen.port,
-            reuse_address=True,
-            backlog=PUBLIC_BACKLOG,
-        )
-
-    async def _listen(self, app: web.Application, host: str, port: int) -> web.BaseRunner:
-        runner = web.AppRunner(
-            app,
-            access_log=log if self.config.log.access else None,
-            shutdown_timeout=self.config.timeouts.shutdown_grace_s,
-            handle_signals=False,
-        )
-        return await self._start_site(runner, host, port)
-
-    async def _start_site(self, runner: web.BaseRunner, host: str, port: int) -> web.BaseRunner:
-        await runner.setup()
-        site = web.TCPSite(runner, host, port, reuse_address=True)
-        try:
-            await site.start()
-        except BaseException:
-            await runner.cleanup()  # not ours to keep: stop() only knows a started runner
-            raise
-        return runner
-
     async def _start_spawner(self) -> None:
         spawn = self.config.spawn
         assert spawn is not None
         self.spawner = Spawner(
-            SpawnSpec(
-                command=spawn.command,
-                count=spawn.count,
-                base_port=spawn.base_port,
-                host=spawn.host,
-                stop_timeout_s=spawn.stop_timeout_s,
-            ),
+            spawn_spec(spawn),
             control_address=self.config.control.socket,
             on_exit=self._spawned_exited,
             secret=self.config.control.secret,
@@ -380,14 +336,14 @@ class RouterService:
         self.handler.max_body_bytes = target.limits.max_body_bytes
         self.handler.access_log = target.log.access
         self.forwarder.max_body_bytes = target.limits.max_body_bytes
-        self.control.policy = self._control_policy(target)
+        self.control.policy = control_policy(target, self.boot)
         self.forwarder.set_timeouts(forward_timeouts(target))
         if self._edge is not None:
             self._edge.set_limits(edge_limits(target))
         self.prober.path = target.health.path
         self.prober.interval_s = target.health.interval_s
         self.prober.timeout_s = target.health.timeout_s
-        self._reload_static_workers(target)
+        sync_static_workers(self.core, self.prober, target.workers, self._clock())
         if target.log != self.config.log:
             setup_logging(target.log)
         self.config = target
@@ -404,145 +360,14 @@ class RouterService:
             raise LookupError("this router was not started from a config file")
         return self.reload(load_config(self.config_path))
 
-    def _reload_static_workers(self, target: Config) -> None:
-        now = self._clock()
-        wanted = {static.id: static.url for static in target.workers}
-        for worker in self.core.workers:
-            if worker.origin is not WorkerOrigin.STATIC:
-                continue
-            if worker.id not in wanted:
-                # Removed, exited or not: out of the registry, so no probe revives it.
-                self.core.remove(worker, now)
-            elif wanted[worker.id] != worker.url and worker.state is not WorkerState.EXITED:
-                self.core.retire(worker, now)  # moved: its sessions end
-        for worker_id, url in wanted.items():
-            known = self.core.workers.get(worker_id)
-            if known is None or known.state is WorkerState.EXITED or known.url != url:
-                self.core.register(worker_id, url, WorkerOrigin.STATIC, now)
-        if wanted:
-            self.prober.start()
-
     async def check_worker(self, worker: Worker, generation: int | None = None) -> bool:
         """Probe `worker`'s address; retire it if nothing listens. True if it is gone.
         `generation`: the process generation the probe is about (default: the current)."""
-        if generation is None:
-            generation = worker.generation
-        if worker.generation != generation:
-            return False  # a newer process registered since: not this probe's business
-        if _exited(worker):
-            return True
-        outcome = await probe_connect(worker.url, self.config.timeouts.connect_s)
-        if worker.generation != generation or _exited(worker):
-            return _exited(worker)  # changed while we probed: the newer news wins
-        if outcome != "refused":
-            return False
-        if worker.origin is WorkerOrigin.STATIC:
-            self.prober.report(worker, outcome, self._clock())
-            return _exited(worker)
-        self.core.retire(worker, self._clock())
-        return True
-
-
-def _exited(worker: Worker) -> bool:
-    return worker.state is WorkerState.EXITED
-
-
-def forward_timeouts(config: Config) -> ForwardTimeouts:
-    timeouts = config.timeouts
-    return ForwardTimeouts(
-        connect_s=timeouts.connect_s,
-        first_byte_s=timeouts.first_byte_s,
-        stream_idle_s=timeouts.stream_idle_s,
-    )
-
-
-def edge_limits(config: Config) -> EdgeLimits:
-    """The public server's per-connection bounds."""
-    limits = config.limits
-    return EdgeLimits(
-        header_timeout_s=limits.header_timeout_s,
-        idle_timeout_s=limits.idle_timeout_s,
-        max_line_bytes=limits.max_line_bytes,
-        max_header_bytes=limits.max_header_bytes,
-        max_headers=limits.max_headers,
-        body_timeout_s=limits.body_timeout_s,
-    )
-
-
-def _reload_on_signal(service: RouterService) -> None:
-    """SIGHUP: reload; a bad config is refused with its reason and the old one stays."""
-    try:
-        service.reload_from_file()
-    except (ConfigError, ValueError, LookupError) as exc:
-        log.error("config reload refused; the running config stays", extra={"reason": str(exc)})
-
-
-# DESIGN §3: the longest a worker keeping the protocol may stay silent on its connection.
-WORKER_SILENCE_MAX_S = 5.0
-
-
-def _warn_of_a_short_lease(lease_timeout_s: float) -> None:
-    """A lease under two of the protocol's silences suits only workers that ping more
-    often than it asks (tests do): one that sends something every 5 s would be taken
-    as lost whenever a ping is a little late, or every time at 5 s and under.
-    Allowed, but said at start."""
-    if lease_timeout_s < 2 * WORKER_SILENCE_MAX_S:
-        log.warning(
-            "control.lease_timeout_s is under 10 s: a worker that pings only every 5 s, "
-            "as the protocol allows, may be taken as lost",
-            extra={"lease_timeout_s": lease_timeout_s},
+        return await check_worker(
+            self.core,
+            self.prober,
+            worker,
+            generation=generation,
+            connect_timeout_s=self.config.timeouts.connect_s,
+            clock=self._clock,
         )
-
-
-@contextlib.contextmanager
-def _naming_the_listener(section: str, host: str, port: int) -> Iterator[None]:
-    """A bind failure says which config section's address it was: asyncio's message
-    names the address only, and the operator has two listeners to look at."""
-    try:
-        yield
-    except OSError as exc:
-        reason = os.strerror(exc.errno) if exc.errno else str(exc)
-        named = OSError(f"{section} {host}:{port}: {reason}")  # str(): the message alone
-        named.errno = exc.errno
-        raise named from exc
-
-
-def _bound_port(runner: web.BaseRunner) -> int:
-    address = runner.addresses[0]
-    return int(address[1])
-
-
-# The collector's first generation runs after this many more container objects are
-# allocated than freed (CPython's default: 700). A forward leaves almost no cycles behind,
-# so under load the default ran gen-0 passes that found nothing: measured with
-# gc.callbacks under wrk, 0.6-0.9 µs of CPU per request at 700, none at 50,000 (it was
-# 24 µs per request with aiohttp's client, whose objects survived into gen 2).
-GC_GEN0_THRESHOLD = 50_000
-
-
-def tune_gc() -> None:
-    """Once the router is up: everything built at startup (modules, config, the journal's
-    replay) moves out of the collector's view, and gen 0 is collected less often."""
-    gc.freeze()
-    _, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
-
-
-async def run_until_signalled(service: RouterService) -> None:
-    """Start, wait for SIGTERM or SIGINT, stop."""
-    import signal
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, _reload_on_signal, service)
-    await service.start()
-    tune_gc()
-    try:
-        await stop.wait()
-    finally:
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            with contextlib.suppress(Exception):
-                loop.remove_signal_handler(signum)
-        await service.stop()

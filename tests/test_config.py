@@ -47,6 +47,7 @@ from router.config import (
     TokenFormatConfig,
     VerifyConfig,
     default_config,
+    is_tcp_socket,
     load_config,
     parse_config,
 )
@@ -255,6 +256,7 @@ def test_control_socket_forms() -> None:
     relative = parse("control: {socket: 'unix:run/control.sock', allowed_uids: [0, 1000]}").control
     assert (relative.unix_path, relative.tcp_address) == ("run/control.sock", None)
     assert relative.allowed_uids == (0, 1000)
+    assert (is_tcp_socket(tcp.socket), is_tcp_socket(relative.socket)) == (True, False)
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,15 @@ def is_loopback_host(host: str) -> bool:
     return host.lower() == "localhost" or (_is_ip(host) and ipaddress.ip_address(host).is_loopback)
 
 
+def is_tcp_socket(spec: str) -> bool:
+    """True for a `tcp://` control socket spec (else it is a `unix:` one, once checked).
+
+    The one test of a socket's kind: a reload that moves the socket to the other
+    kind and the config check must never disagree about a spec.
+    """
+    return spec.startswith(_TCP)
+
+
 def _split_host_port(text: str) -> tuple[str, int] | None:
     """ "host:port" or "[v6]:port" split, or None when malformed; the port is not range-checked."""
     host, sep, port = text.rpartition(":")

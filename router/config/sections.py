@@ -20,12 +20,12 @@ import string
 from typing import Final
 
 from router.config.addresses import (
-    _TCP,
     _UNIX,
     _check_addresses,
     _control_socket_problem,
     _upstream_problem,
     is_loopback_host,
+    is_tcp_socket,
 )
 from router.config.errors import _join, _quote
 from router.config.model import (
@@ -177,11 +177,11 @@ def _control_problem(
     socket: str, has_secret: bool, uids: tuple[int, ...]
 ) -> tuple[str, str] | None:
     """(key, reason) when the socket's kind and its authentication do not go together."""
-    if socket.startswith(_TCP) and not has_secret:
+    if is_tcp_socket(socket) and not has_secret:
         return "socket", "a tcp:// control socket needs secret_env or secret_file"
     if socket.startswith(_UNIX) and has_secret:
         return "secret", "a unix: control socket checks uids; a secret is for tcp://"
-    if socket.startswith(_TCP) and uids:
+    if is_tcp_socket(socket) and uids:
         return "allowed_uids", "uids can only be checked on a unix: control socket"
     return None
 
