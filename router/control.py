@@ -54,6 +54,7 @@ class ControlPolicy:
     allowed_upstreams: frozenset[str]
     secret: str | None
     router_boot: str
+    spawned_ids: frozenset[str] = frozenset()  # the ids of the workers `spawn:` starts
 
 
 # One encoder for every reply (json.dumps with arguments builds one per call), same
@@ -251,7 +252,7 @@ class ControlSession:
         if self.worker is not None and self.worker.id != worker_id:
             return error_reply(rid, "forbidden", "This connection already holds another lease.")
         existing = self.core.workers.get(worker_id)
-        worker = self.core.register(worker_id, url, self._origin(existing), now, boot)
+        worker = self.core.register(worker_id, url, self._origin(worker_id, existing), now, boot)
         self.worker = worker
         worker.lease = self
         self._sync_pending = None  # a sync left unfinished before this hello is void
@@ -294,7 +295,9 @@ class ControlSession:
             return "worker_busy", "A live worker with this id holds the lease."
         return None
 
-    def _origin(self, existing: Worker | None) -> WorkerOrigin:
+    def _origin(self, worker_id: str, existing: Worker | None) -> WorkerOrigin:
+        if worker_id in self.policy.spawned_ids:
+            return WorkerOrigin.SPAWNED  # started by this router, or adopted from its last run
         if existing is not None and existing.origin is WorkerOrigin.SPAWNED:
             return WorkerOrigin.SPAWNED
         return WorkerOrigin.CONTROL

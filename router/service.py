@@ -311,8 +311,14 @@ class RouterService:
         return session.peer.pid if isinstance(session, ControlSession) else None
 
     def worker_pid(self, worker_id: str) -> int | None:
-        """The pid of a worker this router spawned and runs now, else None."""
-        return self.spawner.pid(worker_id) if self.spawner is not None else None
+        """The pid of a worker this router spawned and runs now, or of one it adopted
+        from its last run (its control connection's peer), else None."""
+        if self.spawner is None:
+            return None
+        pid = self.spawner.pid(worker_id)
+        if pid is None and any(w.worker_id == worker_id for w in self.spawner.workers):
+            pid = self._lease_pid(worker_id)  # adopted: no process object of ours
+        return pid
 
     # -- reload ----------------------------------------------------------------
 

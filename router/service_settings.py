@@ -23,7 +23,7 @@ from router.core import CoreSettings
 from router.edge import EdgeLimits
 from router.relay import ForwardTimeouts
 from router.sessions import SessionKind, kind_from_config
-from router.spawn import SpawnSpec
+from router.spawn import SpawnSpec, plan_workers
 
 log = logging.getLogger("episode_router")
 
@@ -80,6 +80,10 @@ def control_policy(config: Config, router_boot: str) -> ControlPolicy:
         allowed_upstreams=frozenset(control.allowed_upstreams),
         secret=control.secret,
         router_boot=router_boot,
+        spawned_ids=frozenset(
+            worker.worker_id
+            for worker in (plan_workers(spawn_spec(config.spawn)) if config.spawn else ())
+        ),
     )
 
 

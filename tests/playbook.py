@@ -340,6 +340,7 @@ def policy(
     allowed_uids: Iterable[int] = (),
     allowed_upstreams: Iterable[str] = (),
     secret: str | None = None,
+    spawned_ids: Iterable[str] = (),
 ) -> ControlPolicy:
     return ControlPolicy(
         own_uid=OWN_UID,
@@ -347,6 +348,7 @@ def policy(
         allowed_upstreams=frozenset(allowed_upstreams),
         secret=secret,
         router_boot=ROUTER_BOOT,
+        spawned_ids=frozenset(spawned_ids),
     )
 
 

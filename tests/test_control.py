@@ -498,6 +498,16 @@ def test_a_live_worker_id_with_another_boot_or_url_is_worker_busy() -> None:
     )
 
 
+def test_a_spawned_workers_hello_registers_it_as_spawned() -> None:
+    # Its first hello after the router's start (spawned now, or adopted from a last run).
+    book(spawned_ids={"w0"}).run(
+        [
+            (Send("a", hello(1, "w0")), ok(1, **ROUTER), {W("w0"): "live spawned @a"}),
+            (Send("b", hello(1, "w1")), ok(1, **ROUTER), {W("w1"): "live @b"}),
+        ]
+    )
+
+
 def test_a_static_workers_id_is_worker_busy_live_or_exited() -> None:
     # A hello would retire the configured worker (its sessions 410) and take its traffic.
     static = "http://127.0.0.1:9100"

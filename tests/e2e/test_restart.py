@@ -238,6 +238,11 @@ def spawned(router: Router) -> dict[str, int]:
     return found
 
 
+def origins_and_pids(router: Router) -> dict[str, tuple[str, int | None]]:
+    """(origin, pid) of every worker, as the admin API shows them."""
+    return {w: (view["origin"], view["pid"]) for w, view in router.workers().items()}
+
+
 async def test_spawned_workers_route_restart_and_stop_with_the_router(
     launcher: Launcher, http: Http
 ) -> None:
@@ -303,6 +308,7 @@ async def test_spawned_workers_are_adopted_after_a_router_crash(
     router = launcher.router(spawn=spawn, claims={"recovery_window_s": RECOVERY_WINDOW_S})
     router.wait_live(["w0", "w1"])
     pids = spawned(router)
+    assert origins_and_pids(router) == {w: ("spawned", pid) for w, pid in pids.items()}
     episodes = [await start_episode(http, router.base_url) for _ in range(4)]
     for value, episode in enumerate(episodes, start=1):
         await add(http, router.base_url, episode, value)
@@ -315,6 +321,8 @@ async def test_spawned_workers_are_adopted_after_a_router_crash(
         await get(http, router.base_url, episode)
     assert spawned(router) == {}, "the restarted router started workers on ports still served"
     assert all(pid_alive(pid) for pid in pids.values())
+    # Still spawned workers, and their pids are their control connections' peers'.
+    assert origins_and_pids(router) == {w: ("spawned", pid) for w, pid in pids.items()}
 
     router.process.signal(signal.SIGTERM)
     exit_code = await asyncio.to_thread(router.process.wait, SPAWN_STOP_TIMEOUT_S + 5.0)
