@@ -25,8 +25,9 @@ from setuptools.command.build_ext import build_ext
 # worker's and back, with the decision in between. Not compiled: router/tokens.py (its
 # checks of a decoded token's JSON types are what refuses a hostile token, and compiled
 # code would raise TypeError at the annotation instead), the session formats other than
-# the default token, the streamed reply, and everything off the hot path (config,
-# control plane, admin, CLI), which gain little from it.
+# the default token, the streamed reply, the metrics read from the live state
+# (router/metrics_state.py: a scrape runs it, never a request), and everything off the
+# hot path (config, control plane, admin, CLI), which gain little from it.
 COMPILED_MODULES = [
     "router/answers.py",
     "router/app.py",
@@ -39,6 +40,8 @@ COMPILED_MODULES = [
     "router/framing.py",
     "router/learn.py",
     "router/metrics.py",
+    "router/metrics_counts.py",
+    "router/metrics_labels.py",
     "router/relay.py",
     "router/relay_pool.py",
     "router/relay_request.py",

@@ -17,7 +17,8 @@ from router.core import Forward, RouterCore
 from router.edge_request import BodyBroken, PublicRequest
 from router.framing import framing_problem
 from router.learn import ReplyLearner, plan_learning
-from router.metrics import CLIENT_CLOSED, RouterMetrics
+from router.metrics import RouterMetrics
+from router.metrics_labels import CLIENT_CLOSED
 from router.relay import Forwarder, LaneDone, Upstream, UpstreamFailure
 from router.relay_wire import NO_EXTRA
 from router.sessions import SessionReader, SessionRef
