@@ -25,9 +25,10 @@ from setuptools.command.build_ext import build_ext
 # worker's and back, with the decision in between. Not compiled: router/tokens.py (its
 # checks of a decoded token's JSON types are what refuses a hostile token, and compiled
 # code would raise TypeError at the annotation instead), the session formats other than
-# the default token, the streamed reply, the metrics read from the live state
-# (router/metrics_state.py: a scrape runs it, never a request), and everything off the
-# hot path (config, control plane, admin, CLI), which gain little from it.
+# the default token and where their values sit (router/formats.py, router/key_sources.py),
+# the streamed reply, the metrics read from the live state (router/metrics_state.py: a
+# scrape runs it, never a request), and everything off the hot path (config, control
+# plane, admin, CLI), which gain little from it.
 COMPILED_MODULES = [
     "router/answers.py",
     "router/app.py",

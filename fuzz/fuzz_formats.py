@@ -35,15 +35,17 @@ with instrumented():
     from router.formats import (
         MAX_KEY_CHARS,
         FormatError,
-        compile_path_pattern,
         itsdangerous_session_key,
-        json_pointer,
         mcp_session_key,
+        raw_session_key,
+        starlette_session_key,
+    )
+    from router.key_sources import (
+        compile_path_pattern,
+        json_pointer,
         parse_cookie_header,
         parse_json_pointer,
-        raw_session_key,
         set_cookie_value,
-        starlette_session_key,
     )
 
 NAME = "formats"

@@ -21,7 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from router.core import RouterCore
-from router.formats import FormatError, json_pointer, mcp_session_key, set_cookie_value
+from router.formats import FormatError, mcp_session_key
+from router.key_sources import json_pointer, set_cookie_value
 from router.metrics import RouterMetrics
 from router.sessions import Headers, SessionKind, SessionReader, SessionRef, session_key
 from router.token_errors import RefusedValue

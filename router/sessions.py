@@ -30,14 +30,12 @@ from router.answers import Answer
 from router.config import LearnConfig, RouteConfig, SessionKindConfig, SignatureConfig
 from router.formats import (
     FormatError,
-    compile_path_pattern,
     itsdangerous_session_key,
-    json_pointer,
     mcp_session_key,
-    parse_cookie_header,
     raw_session_key,
     starlette_session_key,
 )
+from router.key_sources import compile_path_pattern, json_pointer, parse_cookie_header
 from router.token_cache import TokenCache
 from router.token_errors import RefusedValue
 from router.tokens import TokenVerifier, parse_token

@@ -47,7 +47,7 @@ from router.config import (
     StaticWorkerConfig,
     parse_config,
 )
-from router.formats import set_cookie_value
+from router.key_sources import set_cookie_value
 from router.learn import MAX_LEARN_BODY_BYTES
 
 pytestmark = pytest.mark.timeout(30)

@@ -44,17 +44,19 @@ from router.core import CoreSettings, RouterCore
 from router.formats import (
     MAX_KEY_CHARS,
     FormatError,
-    compile_path_pattern,
     itsdangerous_session_key,
-    json_pointer,
     mcp_session_key,
-    parse_cookie_header,
-    parse_json_pointer,
     raw_session_key,
-    set_cookie_value,
     starlette_session_key,
 )
 from router.forward import request_headers_for_worker
+from router.key_sources import (
+    compile_path_pattern,
+    json_pointer,
+    parse_cookie_header,
+    parse_json_pointer,
+    set_cookie_value,
+)
 from router.tokens import (
     ALGORITHMS,
     EpisodeToken,

@@ -44,7 +44,7 @@ from router.config import (
     TokenFormatConfig,
     VerifyConfig,
 )
-from router.formats import set_cookie_value
+from router.key_sources import set_cookie_value
 from router.sessions import SessionKind, SessionReader, SessionRef, kind_from_config
 from router.tokens import SigningKey, mint_token, new_nonce
 
