@@ -1,4 +1,5 @@
-"""Fuzz target: the session formats of servers the router cannot change (`router.formats`).
+"""Fuzz target: the session formats of servers the router cannot change (`router.formats`,
+`router.key_sources`).
 
 The input's first byte picks a reader, the rest is its input: Starlette session cookies
 and itsdangerous tokens (without and with the server's key), raw keys and
