@@ -2,8 +2,9 @@
 
 This module owns what a worker needs to speak the protocol: its version and
 limits, the control address syntax (`unix:/path` or `tcp://host:port`), NDJSON
-line encoding and reply decoding, and splitting a worker's claims into `sync`
-messages that stay under the line limit. `router.client` re-exports it.
+line encoding and reply decoding, the hello message, splitting a worker's claims
+into `sync` messages that stay under the line limit, and reading the refusals a
+sync reply lists. `router.client` re-exports the public names.
 
 It is pure: it must never import asyncio or aiohttp, open a socket, or log.
 """
@@ -63,6 +64,35 @@ def decode_reply(line: bytes) -> Reply | None:
     except ValueError:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
         return None
     return value if isinstance(value, dict) else None
+
+
+def hello_message(worker_id: str, url: str, boot: str, secret: str | None) -> Reply:
+    """The `hello` message (without an id); `secret` goes in `auth` (tcp:// only)."""
+    message: Reply = {
+        "op": "hello",
+        "v": PROTOCOL_VERSION,
+        "worker": worker_id,
+        "url": url,
+        "boot": boot,
+    }
+    if secret:
+        message["auth"] = secret
+    return message
+
+
+def sync_refusals(reply: Mapping[str, object]) -> tuple[list[tuple[str, str, object]], int]:
+    """The (kind, key, error) of each claim a sync reply lists as refused, and how many
+    more it refused without listing them (`refused_omitted`, 0 when absent)."""
+    listed = reply.get("refused")
+    refused = [
+        (str(item.get("kind", "episode")), str(item.get("key")), item.get("error"))
+        for item in (listed if isinstance(listed, list) else ())
+        if isinstance(item, dict)
+    ]
+    omitted = reply.get("refused_omitted")
+    if not isinstance(omitted, int) or isinstance(omitted, bool) or omitted < 0:
+        omitted = 0
+    return refused, omitted
 
 
 def sync_messages(

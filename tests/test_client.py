@@ -29,11 +29,11 @@ from router.client import (
     ControlError,
     aiohttp_boot_middleware,
     boot_mismatch_answer,
-    decode_reply,
     encode_line,
     parse_control_address,
     sync_messages,
 )
+from router.client_protocol import decode_reply
 
 
 @pytest.fixture
