@@ -4,7 +4,10 @@ This module owns a worker's half of the control protocol: the hello, claims and
 releases, a ping whenever the connection is idle, reconnects with the same boot,
 and the sync after every hello, the first one included, that declares what this
 worker holds (an empty set on a fresh worker): a restarted router restores its
-view from it and counts the worker as recovered.
+view from it and counts the worker as recovered. It also decides what a refused
+hello means: a refusal of the first hello, or one in FINAL_HELLO_REFUSALS,
+stops the client; any other (`worker_busy`) fails calls while it stands, and the
+client keeps redialling with backoff until a hello is accepted again.
 
 The requests in flight (ids, replies, what a lost connection keeps) and
 `ControlError` live in `router.client_requests`, one connection's socket, reader
@@ -15,7 +18,8 @@ router meant) in `router.boot`; the public names are re-exported here, so a
 worker imports everything it needs from this module.
 
 It must never make routing decisions, never write a boot value or the shared
-secret to a log, and never leave a caller waiting once `stop()` has run.
+secret to a log, and never leave a caller waiting once `stop()` has run or a
+hello was refused.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from router.boot import ASGIScope as ASGIScope
 from router.boot import ASGISend as ASGISend
 from router.client_connection import ControlConnection
 from router.client_protocol import (
+    FINAL_HELLO_REFUSALS,
     MAX_LINE_BYTES,
     ControlAddress,
     Reply,
@@ -65,6 +70,7 @@ from router.client_requests import (
 
 __all__ = [
     "BOOT_HEADER",
+    "FINAL_HELLO_REFUSALS",
     "ASGIBootMiddleware",
     "ControlAddress",
     "ControlClient",
@@ -93,6 +99,14 @@ class ControlClient:
     the connection is then kept up by a background task that reconnects with
     backoff, says hello again with the same boot, and syncs every held claim.
     Calls made while disconnected wait and are sent once the connection is back.
+
+    When the router refuses a later hello, the calls waiting for it fail with a
+    ControlError carrying the refusal's code. A code in FINAL_HELLO_REFUSALS
+    (`forbidden`, `unsupported_version`, `bad_request`) stops the client: every
+    later call raises that refusal. Any other (`worker_busy`: another live
+    process has this worker id or url) may clear once that process goes: the
+    client keeps redialling with backoff, calls raise the refusal until a hello
+    is accepted, and then it re-syncs as after any reconnect.
     """
 
     def __init__(
@@ -133,6 +147,9 @@ class ControlClient:
         self._connection: ControlConnection | None = None
         self._ready = False
         self._stopping = False
+        # What calls raise once stopping: `client_stopped`, or the final refusal that stopped it.
+        self._stopped_by = ControlError("client_stopped")
+        self._refusal: ControlError | None = None
         self._task: asyncio.Task[None] | None = None
         self._first_hello: asyncio.Future[None] | None = None
 
@@ -161,13 +178,19 @@ class ControlClient:
         """True while a connection is up and its hello was acknowledged."""
         return self._ready and self._connection is not None and self._connection.is_open
 
+    @property
+    def refusal(self) -> ControlError | None:
+        """The router's refusal of the last hello, until a hello is accepted (else None)."""
+        return self._refusal
+
     # --- public operations -------------------------------------------------------------------
 
     async def start(self) -> None:
         """Connect, say hello and sync; returns once both are acknowledged.
 
         Retries refused connects forever (until `stop()`). Raises ControlError
-        when the router refuses the hello (`forbidden`, `worker_busy`, ...).
+        when the router refuses the hello (`forbidden`, `worker_busy`, ...):
+        a refusal of the first hello, whatever its code, stops the client.
         """
         if self._task is not None:
             raise RuntimeError("the control client was already started")
@@ -215,9 +238,11 @@ class ControlClient:
 
     async def _call(self, message: Reply, on_reply: Callable[[Reply], None] | None = None) -> None:
         if self._stopping:
-            raise ControlError("client_stopped")
+            raise self._stopped_by.again()
         if self._task is None:
             raise ControlError("not_started")
+        if self._refusal is not None:  # a refusal that may clear: calls fail while it stands
+            raise self._refusal.again()
         if len(encode_line({**message, "id": 2**63})) > MAX_LINE_BYTES:
             # Refused before it is queued: it would also be listed by the next hello's sync.
             raise ControlError("line_too_long")
@@ -295,6 +320,9 @@ class ControlClient:
             return False
         except ControlError as exc:
             return self._hello_refused(exc)
+        if self._refusal is not None:
+            log.warning("the router accepts this worker's hello again")
+            self._refusal = None
         router_id = reply.get("router")
         new_router = isinstance(router_id, str) and router_id != self.router_id
         if new_router and self.router_id is not None:
@@ -320,11 +348,20 @@ class ControlClient:
         return True
 
     def _hello_refused(self, exc: ControlError) -> bool:
-        if self._first_hello is not None and not self._first_hello.done():
-            self._stopping = True  # the first refusal is final: start() raises it
-            self._first_hello.set_exception(exc)
-        else:
-            log.error("the router refused this worker's hello: %s", exc)
+        """Fail what waits with the refusal; stop for good when it is the first or final."""
+        first = self._first_hello is not None and not self._first_hello.done()
+        if first or exc.error in FINAL_HELLO_REFUSALS:
+            self._stopping = True
+            self._stopped_by = exc
+        if first:
+            assert self._first_hello is not None
+            self._first_hello.set_exception(exc.again())  # start() raises it
+        elif self._stopping:
+            log.error("the router refused this worker's hello for good: %s", exc)
+        elif self._refusal is None or self._refusal.error != exc.error:
+            log.error("the router refused this worker's hello (retrying): %s", exc)
+        self._refusal = exc
+        self._requests.fail_all(exc)
         return False
 
     async def _resync(self) -> None:
@@ -362,6 +399,6 @@ class ControlClient:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._requests.fail_all(ControlError("client_stopped"))
+        self._requests.fail_all(self._stopped_by)
         if self._first_hello is not None and not self._first_hello.done():
-            self._first_hello.set_exception(ControlError("client_stopped"))
+            self._first_hello.set_exception(self._stopped_by.again())

@@ -2,9 +2,10 @@
 
 This module owns what a worker needs to speak the protocol: its version and
 limits, the control address syntax (`unix:/path` or `tcp://host:port`), NDJSON
-line encoding and reply decoding, the hello message, splitting a worker's claims
-into `sync` messages that stay under the line limit, and reading the refusals a
-sync reply lists. `router.client` re-exports the public names.
+line encoding and reply decoding, the hello message and which refusals of it are
+final, splitting a worker's claims into `sync` messages that stay under the line
+limit, and reading the refusals a sync reply lists. `router.client` re-exports
+the public names.
 
 It is pure: it must never import asyncio or aiohttp, open a socket, or log.
 """
@@ -23,6 +24,12 @@ MAX_LINE_BYTES = 1 << 20
 SYNC_BATCH_CLAIMS = 1000
 
 Reply = dict[str, object]
+
+# The hello refusals no retry can change: the router's policy refuses this worker's
+# secret, uid or url (`forbidden`, until an operator changes the policy), or the
+# hello itself (`unsupported_version`, `bad_request`). Any other (`worker_busy`:
+# another live process has this worker id or url) may clear once that process goes.
+FINAL_HELLO_REFUSALS = frozenset({"forbidden", "unsupported_version", "bad_request"})
 
 
 @dataclass(frozen=True, slots=True)

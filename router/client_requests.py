@@ -4,9 +4,9 @@ This module owns `ControlError` and the book of requests: it gives each request
 a fresh id and its line, matches every reply to its request by id, keeps a
 caller's operation across a lost connection so that it is resent after the
 next hello (ops are idempotent), fails the client's own (hello, sync, ping,
-bye) with their connection, and fails everything at once on a stop. It also
-says what the held claims become once the waiting operations are applied, and
-when the oldest unanswered request was written.
+bye) with their connection, and fails everything at once on a stop or a refused
+hello. It also says what the held claims become once the waiting operations
+are applied, and when the oldest unanswered request was written.
 
 It must never open, read or write a socket, sleep, or read a clock (`now` and
 the write function are passed in): `router.client` does the I/O.
@@ -31,7 +31,9 @@ class ControlError(Exception):
     """An `ok:false` reply from the router; `error` is its code, `reply` the whole reply.
 
     The client also raises it, with `error` set to `client_stopped`, `not_started`
-    or `line_too_long`, for calls it cannot carry out.
+    or `line_too_long`, for calls it cannot carry out; and with the code of the
+    router's refusal of its hello (`forbidden`, `worker_busy`, ...) while that
+    refusal stands.
     """
 
     def __init__(self, error: str, reply: Mapping[str, object] | None = None) -> None:

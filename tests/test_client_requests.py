@@ -12,6 +12,7 @@ import json
 import pytest
 
 from router.client_protocol import (
+    FINAL_HELLO_REFUSALS,
     MAX_LINE_BYTES,
     hello_message,
     sync_refusals,
@@ -133,6 +134,11 @@ def test_hello_message_carries_auth_only_with_a_secret() -> None:
 )
 def test_sync_refusals(reply: dict[str, object], refused: list[object], omitted: int) -> None:
     assert sync_refusals(reply) == (refused, omitted)
+
+
+def test_only_worker_busy_of_the_hello_refusals_may_clear() -> None:
+    refusals = {"forbidden", "unsupported_version", "bad_request", "worker_busy"}
+    assert refusals - FINAL_HELLO_REFUSALS == {"worker_busy"}
 
 
 def test_control_error_names_the_code_and_the_routers_detail() -> None:
