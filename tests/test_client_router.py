@@ -2,7 +2,7 @@
 
 Where tests/test_client.py checks the client against the contract (a scripted
 router), these run it against our own RouterService: what it does when that
-router refuses its hello after a reconnect.
+router refuses its hello after a reconnect, and when a retire races its claims.
 """
 
 from __future__ import annotations
@@ -137,3 +137,25 @@ async def test_worker_busy_after_a_reconnect_fails_calls_until_it_clears(
     assert client.held == {("episode", "ep4-a0")}
     hellos = _hellos(answered)  # the other process's, this one's refused ones, its last
     assert hellos == ["ok", *["worker_busy"] * (len(hellos) - 2), "ok"] and len(hellos) > 2
+
+
+async def test_claims_racing_a_retire_are_resent_after_the_new_hello(rig: Rig) -> None:
+    # The retire closes the lease's connection in the same step (it stops reading), so a
+    # claim sent in that window is never answered `no_hello`: the client resends it after
+    # its next hello. The retire lands after 0, 1, 2... turns of the loop: before, among
+    # and after the claims' lines.
+    service = await rig.start_router()
+    client = await _started(rig, service.config.control.socket)
+    answered = _watch_replies(service)
+    for turns in range(8):
+        worker = service.core.workers.get("w0")
+        assert worker is not None
+        claims = [client.claim(f"ep{turns}-{i}-a0") for i in range(50)]
+        claiming = asyncio.gather(*claims, return_exceptions=True)
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        service.core.retire(worker, service._clock())
+        results = await asyncio.wait_for(claiming, 10)
+        assert [r for r in results if r is not None] == []
+        await _until(lambda: client.connected, "the client to be back")
+    assert [result for _, result in answered if result != "ok"] == []
