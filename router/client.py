@@ -192,8 +192,8 @@ class ControlClient:
         when the router refuses the hello (`forbidden`, `worker_busy`, ...):
         a refusal of the first hello, whatever its code, stops the client.
         """
-        if self._task is not None:
-            raise RuntimeError("the control client was already started")
+        if self._task is not None or self._stopping:
+            raise RuntimeError("the control client was already started (a stopped one too)")
         self._first_hello = asyncio.get_running_loop().create_future()
         self._first_hello.add_done_callback(mark_retrieved)
         self._task = asyncio.create_task(self._run(), name=f"control-client:{self.worker_id}")

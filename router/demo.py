@@ -105,8 +105,18 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20  # a tool call's arguments are small; bounds what one request can cost
 CLAIM_TIMEOUT_S = 10.0  # a router away longer than this fails the start with 503, not a hang
 SHUTDOWN_TIMEOUT_S = 5.0  # how long in-flight requests get after SIGTERM
-# ControlError codes the client raises itself: the router refused nothing.
-LOCAL_ERRORS = frozenset({"client_stopped", "not_started", "line_too_long"})
+# ControlError codes that say nothing of the claim itself: the client's own (the router
+# refused nothing), and a refused hello, which leaves this worker with no lease.
+LOCAL_ERRORS = frozenset(
+    {
+        "client_stopped",
+        "not_started",
+        "line_too_long",
+        "forbidden",
+        "worker_busy",
+        "unsupported_version",
+    }
+)
 
 
 # --- the app ----------------------------------------------------------------------------------

@@ -498,6 +498,8 @@ async def test_stop_says_bye_and_fails_what_waits(
     with pytest.raises(ControlError) as stopped:
         await client.claim("ep2-a0")
     assert stopped.value.error == "client_stopped"
+    with pytest.raises(RuntimeError, match="already started"):  # not a wait for ever
+        await asyncio.wait_for(client.start(), 5.0)
 
 
 async def test_stop_while_disconnected_fails_pending_calls(

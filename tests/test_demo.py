@@ -594,6 +594,21 @@ async def test_claim_waits_for_a_reconnect(
     assert router.holders == {("episode", "ep1-a0"): "w0"}
 
 
+async def test_a_refused_hello_leaves_no_lease_a_claim_is_503_not_a_refused_claim(
+    aiohttp_client: Any, router: ScriptedRouter, control: ControlClient
+) -> None:
+    http: Http = await aiohttp_client(
+        build_demo_app(worker_id="w0", client=control, signing_key=KEY)
+    )
+    router.secret = "rotated-secret-0123"  # this worker's next hello is refused: forbidden
+    await router.drop_connections()
+    await eventually(lambda: control.refusal is not None or not control.connected)
+    response = await http.post("/episodes", json={"ep": "ep1"})
+    answer = await response.json()
+    assert (response.status, answer["error"]) == (503, "control_unavailable")
+    assert "forbidden" in answer["detail"]
+
+
 # --- the process --------------------------------------------------------------------------------
 
 
