@@ -7,7 +7,8 @@ idempotent request whose pooled connection turns out stale, the observer's look 
 the reply, and the choice between relaying the reply whole or streaming it. It keeps
 the interface of `router.forward` (the same `Upstream`, `ForwardTimeouts`,
 `UpstreamFailure`, `ReplyObserver` and header rules) with aiohttp's client replaced
-by `router.relay_pool` (connections) and `router.relay_wire` (bytes, llhttp).
+by `router.relay_pool` (connections) and `router.relay_wire` and
+`router.relay_parser` (bytes, llhttp).
 
 It never decides where a request goes and never writes an answer of its own: a
 failure before the reply head reached the client is raised as `UpstreamFailure` for
@@ -35,6 +36,7 @@ from router.forward import (
     request_headers_for_worker,
     rewrite_location,
 )
+from router.relay_parser import CLOSED_BEFORE_REPLY
 from router.relay_pool import (
     TIMED_OUT,
     WOKE,
@@ -46,7 +48,6 @@ from router.relay_pool import (
 from router.relay_reply import CLIENT_GONE, log, send_cut, stream_reply
 from router.relay_request import WHOLE_BODY_MAX, connect_failure, framed_body
 from router.relay_wire import (
-    CLOSED_BEFORE_REPLY,
     IDEMPOTENT_METHODS,
     NO_EXTRA,
     parse_worker_address,

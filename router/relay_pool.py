@@ -17,7 +17,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Final, cast
 
-from router.relay_wire import ReplyParser, WorkerAddress
+from router.relay_parser import ReplyParser
+from router.relay_wire import WorkerAddress
 
 __all__ = ["INTERRUPTED", "KEEPALIVE_S", "TIMED_OUT", "WOKE", "PoolClosed", "WorkerConnection"]
 __all__ += ["ReplyWatcher", "WorkerPool"]

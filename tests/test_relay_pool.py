@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from router import relay_pool
+from router.relay_parser import CLOSED_BEFORE_REPLY
 from router.relay_pool import (
     INTERRUPTED,
     TIMED_OUT,
@@ -23,7 +24,7 @@ from router.relay_pool import (
     WorkerConnection,
     WorkerPool,
 )
-from router.relay_wire import CLOSED_BEFORE_REPLY, parse_worker_address
+from router.relay_wire import parse_worker_address
 
 pytestmark = pytest.mark.timeout(30)
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
