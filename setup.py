@@ -44,6 +44,7 @@ COMPILED_MODULES = [
     "router/metrics_counts.py",
     "router/metrics_labels.py",
     "router/relay.py",
+    "router/relay_connection.py",
     "router/relay_parser.py",
     "router/relay_pool.py",
     "router/relay_request.py",

@@ -7,7 +7,7 @@ idempotent request whose pooled connection turns out stale, the observer's look 
 the reply, and the choice between relaying the reply whole or streaming it. It keeps
 the interface of `router.forward` (the same `Upstream`, `ForwardTimeouts`,
 `UpstreamFailure`, `ReplyObserver` and header rules) with aiohttp's client replaced
-by `router.relay_pool` (connections) and `router.relay_wire` and
+by `router.relay_pool` and `router.relay_connection` (connections) and `router.relay_wire` and
 `router.relay_parser` (bytes, llhttp).
 
 It never decides where a request goes and never writes an answer of its own: a
@@ -36,15 +36,9 @@ from router.forward import (
     request_headers_for_worker,
     rewrite_location,
 )
+from router.relay_connection import TIMED_OUT, WOKE, ReplyWatcher, WorkerConnection
 from router.relay_parser import CLOSED_BEFORE_REPLY
-from router.relay_pool import (
-    TIMED_OUT,
-    WOKE,
-    PoolClosed,
-    ReplyWatcher,
-    WorkerConnection,
-    WorkerPool,
-)
+from router.relay_pool import PoolClosed, WorkerPool
 from router.relay_reply import CLIENT_GONE, log, send_cut, stream_reply
 from router.relay_request import WHOLE_BODY_MAX, connect_failure, framed_body
 from router.relay_wire import (
@@ -121,8 +115,8 @@ class LaneDone:
     """What `Forwarder.start` tells how a forward on its lane ended: an object whose
     `lane_done(result)` is called, not a callable. The compiled build then calls it
     directly, where a closure made per request and called through the generic call
-    protocol cost more; with `relay_pool.ReplyWatcher` (the same for the connection's
-    callback), no closure and no bound method are made per request (one of the trims
+    protocol cost more; with `relay_connection.ReplyWatcher` (the same for the
+    connection's callback), no closure and no bound method are made per request (one of the trims
     in router.edge.EdgeConnection's figure)."""
 
     __slots__ = ()

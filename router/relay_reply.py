@@ -16,7 +16,7 @@ import asyncio
 import logging
 
 from router.edge_request import PublicRequest
-from router.relay_pool import INTERRUPTED, WorkerConnection
+from router.relay_connection import INTERRUPTED, WorkerConnection
 
 __all__ = ["CLIENT_GONE", "ReplyHead", "send_cut", "stream_reply"]
 
