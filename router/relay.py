@@ -1,14 +1,16 @@
 """The lean forwarding path: requests relayed to workers over the router's own pools.
 
-This module owns one forward from end to end: the request to the worker (head and
-body in one write when the body is small and already here, else the head then the
-body streamed with backpressure), the wait for the reply head, one retry of an
-idempotent request whose pooled connection turns out stale, the observer's look at
-the reply, and the choice between relaying the reply whole or streaming it. It keeps
-the interface of `router.forward` (the same `Upstream`, `ForwardTimeouts`,
-`UpstreamFailure`, `ReplyObserver` and header rules) with aiohttp's client replaced
-by `router.relay_pool` and `router.relay_connection` (connections) and `router.relay_wire` and
-`router.relay_parser` (bytes, llhttp).
+This module owns one forward from end to end: the pool for its worker, the request
+written (head and body in one write when the body is small and already here, else the
+head then the body streamed: `router.relay_upload`), the wait for the reply head, one
+retry of an idempotent request whose pooled connection turns out stale, the observer's
+look at the reply, and the choice between relaying the reply whole or streaming it
+(`router.relay_reply`). A forward that can go at once starts on the lane, with no task
+(`start`; `router.relay_lane` carries it on), and is handed back to the coroutine path
+here when anything but a whole reply comes. It keeps the interface of `router.forward`
+(the same `Upstream`, `ForwardTimeouts`, `UpstreamFailure`, `ReplyObserver` and header
+rules) with aiohttp's client replaced by `router.relay_pool` (connections),
+`router.relay_wire` (request bytes) and `router.relay_parser` (reply bytes, llhttp).
 
 It never decides where a request goes and never writes an answer of its own: a
 failure before the reply head reached the client is raised as `UpstreamFailure` for
@@ -19,34 +21,27 @@ so the client sees an incomplete reply rather than a forged clean end.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
-from typing import Any
 
 from multidict import CIMultiDict
 
-from router.edge_request import BodyBroken, ClientLost, PublicRequest
+from router.edge_request import PublicRequest
 from router.forward import (
     ForwardTimeouts,
     ReplyObserver,
     Upstream,
     UpstreamFailure,
-    keeps_every_reply_header,
-    relayed_reply_headers,
     reply_headers_for_client,
     request_headers_for_worker,
     rewrite_location,
 )
-from router.relay_connection import TIMED_OUT, WOKE, ReplyWatcher, WorkerConnection
-from router.relay_parser import CLOSED_BEFORE_REPLY
+from router.relay_connection import TIMED_OUT, WorkerConnection
+from router.relay_exchange import Exchange, client_headers, send_whole, stale
+from router.relay_lane import Lane, LaneDone
 from router.relay_pool import PoolClosed, WorkerPool
 from router.relay_reply import CLIENT_GONE, log, send_cut, stream_reply
-from router.relay_request import WHOLE_BODY_MAX, connect_failure, framed_body
-from router.relay_wire import (
-    IDEMPOTENT_METHODS,
-    NO_EXTRA,
-    parse_worker_address,
-    worker_request_head,
-)
+from router.relay_request import WHOLE_BODY_MAX, body_failure, connect_failure, outgoing
+from router.relay_upload import start_upload
+from router.relay_wire import NO_EXTRA, parse_worker_address
 
 __all__ = [
     "ForwardTimeouts",
@@ -59,120 +54,6 @@ __all__ = [
     "request_headers_for_worker",
     "rewrite_location",
 ]
-
-
-class _Exchange(ClientLost):
-    """One request on its way to a worker: the connection it holds and its upload. It
-    is the request's `on_client_lost` while it holds a connection: a client that leaves
-    wakes the wait for the reply at once."""
-
-    __slots__ = (
-        "body_broke",
-        "chunked",
-        "conn",
-        "deadline",
-        "pool",
-        "request",
-        "too_large",
-        "upload",
-        "uploaded",
-    )
-
-    def __init__(self, request: PublicRequest, pool: WorkerPool) -> None:
-        self.request = request
-        self.pool = pool
-        self.conn: WorkerConnection | None = None
-        self.upload: asyncio.Task[None] | None = None  # the streamed request body
-        self.uploaded = True  # the whole request went out (False while it streams)
-        self.chunked = False  # a streamed body goes out in chunked framing
-        self.body_broke: BodyBroken | None = None  # the client's body did not complete
-        self.too_large = False  # the streamed body went over max_body_bytes
-        self.deadline = 0.0  # for the reply head; pushed on by each uploaded chunk
-
-    def settle(self, clean: bool) -> None:
-        """Lets go of the worker connection: back to the pool after a complete exchange
-        (`clean`), else dropped. Idempotent."""
-        conn = self.conn
-        if conn is None:
-            return
-        self.conn = None
-        self.request.on_client_lost = None
-        upload = self.upload
-        if upload is not None and not upload.done():
-            upload.cancel()
-        if clean and self.uploaded:
-            self.pool.release(conn)
-        else:
-            conn.abort()
-
-    def client_lost(self) -> None:
-        conn = self.conn
-        if conn is not None:
-            conn.interrupt()
-
-
-class LaneDone:
-    """What `Forwarder.start` tells how a forward on its lane ended: an object whose
-    `lane_done(result)` is called, not a callable. The compiled build then calls it
-    directly, where a closure made per request and called through the generic call
-    protocol cost more; with `relay_connection.ReplyWatcher` (the same for the
-    connection's callback), no closure and no bound method are made per request (one of the trims
-    in router.edge.EdgeConnection's figure)."""
-
-    __slots__ = ()
-
-    def lane_done(self, result: int | Coroutine[Any, Any, int]) -> None:
-        """The reply went out whole (`result` is its status), or the rest of the
-        forward is the coroutine `result`, to run."""
-        raise NotImplementedError
-
-
-class _Lane(ReplyWatcher):
-    """A forward started by `Forwarder.start`, waiting on its connection's callback."""
-
-    __slots__ = ("exchange", "forwarder", "message", "on_done", "public_base")
-
-    def __init__(
-        self,
-        forwarder: Forwarder,
-        exchange: _Exchange,
-        message: bytes,
-        public_base: str | None,
-        on_done: LaneDone,
-    ) -> None:
-        self.forwarder = forwarder
-        self.exchange = exchange
-        self.message = message
-        self.public_base = public_base
-        self.on_done = on_done
-
-    def woke(self, outcome: int) -> None:
-        """The connection's listener: relays a reply that came whole, listens again while
-        the head is still arriving, and hands anything else to `Forwarder._resume`."""
-        exchange = self.exchange
-        conn = exchange.conn
-        status: int | None = None
-        try:
-            if conn is not None:
-                reply = conn.reply
-                if reply.complete:
-                    status = self.forwarder._send_whole(exchange, self.public_base)
-                elif outcome == WOKE and not reply.head_done and reply.broken is None:
-                    conn.listen(self, exchange.deadline)
-                    return
-        except Exception as exc:  # a bug: the caller's task logs it and drops the client
-            exchange.settle(clean=False)
-            self.on_done.lane_done(_raise(exc))
-            return
-        if status is not None:
-            self.on_done.lane_done(status)
-        else:
-            self.forwarder.lane_handovers += 1
-            self.on_done.lane_done(self.forwarder._resume(exchange, self.message, self.public_base))
-
-
-async def _raise(exc: Exception) -> int:
-    raise exc
 
 
 class Forwarder:
@@ -226,8 +107,8 @@ class Forwarder:
         clean terminator so the client sees the reply is incomplete, and the status is
         returned all the same.
         """
-        exchange = _Exchange(request, self._pool_for(upstream))
-        first, whole = self._outgoing(exchange, extra_headers, body)
+        exchange = Exchange(request, self._pool_for(upstream))
+        first, whole = outgoing(exchange, extra_headers, body, self.max_body_bytes)
         try:
             await self._send(exchange, first, whole)
             return await self._relay(exchange, public_base, observer)
@@ -280,9 +161,9 @@ class Forwarder:
         pool = self._pools.get(upstream.worker_id)
         if pool is None or pool.url != upstream.url:
             return False  # forward() opens (or replaces) the pool
-        exchange = _Exchange(request, pool)
+        exchange = Exchange(request, pool)
         try:
-            message, whole = self._outgoing(exchange, extra_headers, body)
+            message, whole = outgoing(exchange, extra_headers, body, self.max_body_bytes)
         except UpstreamFailure:
             return False  # forward() meets the same failure and raises it
         if not whole:
@@ -293,13 +174,13 @@ class Forwarder:
         exchange.conn = conn
         request.on_client_lost = exchange
         self._write_request(exchange, conn, message)
-        lane = _Lane(self, exchange, message, public_base, on_done)
+        lane = Lane(self, exchange, message, public_base, on_done)
         conn.listen(lane, exchange.deadline)
         return True
 
-    async def _resume(self, exchange: _Exchange, message: bytes, public_base: str | None) -> int:
-        """The rest of a forward the lane started and handed over: as `forward()` from the
-        wait for the reply head on."""
+    async def resume(self, exchange: Exchange, message: bytes, public_base: str | None) -> int:
+        """The rest of a forward the lane started and handed over (`relay_lane.Lane`): as
+        `forward()` from the wait for the reply head on."""
         try:
             failure = await self._reply_head_or_retry(exchange, message)
             if failure is not None:
@@ -346,59 +227,8 @@ class Forwarder:
         self._pools[upstream.worker_id] = pool
         return pool
 
-    def _outgoing(
-        self, exchange: _Exchange, extra: dict[str, str], body: bytes | None
-    ) -> tuple[bytes, bool]:
-        """What to write first, and whether it is the whole request: the head and the
-        framed body when the body is all here (True), else the head alone, the body to
-        stream after it (False). Head and body are joined in one piece, as the worker
-        reads them in one recv (no copy of the head into a second bytes object: ~250
-        instructions, callgrind on bench.hotpath)."""
-        request = exchange.request
-        method = request.method
-        if method == "CONNECT":
-            raise UpstreamFailure("error", "CONNECT is not forwarded", request_sent=False)
-        try:
-            payload, length, chunked = framed_body(request, body)
-        except BodyBroken as broken:
-            raise _body_failure(broken, request_sent=False) from None
-        limit = self.max_body_bytes
-        # A chunked body announced no length: measured here once all read (read_now()
-        # returns what framed_body read and kept).
-        if (
-            chunked
-            and payload is not None
-            and limit is not None
-            and len(request.read_now()) > limit
-        ):
-            raise UpstreamFailure(
-                "too_large", "the request body is over the limit", request_sent=False
-            )
-        if payload is None:
-            exchange.uploaded = False
-            exchange.chunked = chunked
-        try:
-            head = worker_request_head(
-                method,
-                request.target,
-                request.raw_headers,
-                worker_host=exchange.pool.address.host_header,
-                client_ip=request.remote,
-                scheme=request.scheme,
-                extra=extra,
-                content_length=length,
-                chunked=chunked,
-                authority=request.authority,
-                body=b"" if payload is None else payload,
-            )
-        except ValueError as exc:
-            raise UpstreamFailure(
-                "error", f"cannot send the request: {exc}", request_sent=False
-            ) from exc
-        return head, payload is not None
-
-    async def _send(self, exchange: _Exchange, first: bytes, whole: bool) -> None:
-        """Writes the request (`first` and `whole`: see `_outgoing`) on a pooled or new
+    async def _send(self, exchange: Exchange, first: bytes, whole: bool) -> None:
+        """Writes the request (`first` and `whole`: see `relay_request.outgoing`) on a pooled or new
         connection; returns once the reply head is in. Raises UpstreamFailure."""
         loop = self._loop
         assert loop is not None
@@ -412,7 +242,8 @@ class Forwarder:
         # A client that leaves while the worker works wakes the wait for its reply at once.
         exchange.request.on_client_lost = exchange
         if not whole:
-            self._start_upload(exchange, conn, first)
+            limit = self.max_body_bytes
+            start_upload(exchange, conn, first, loop, timeouts.first_byte_s, limit)
             failure = await self._reply_head(exchange, conn)
         else:
             self._write_request(exchange, conn, first)  # one write: one recv for the worker
@@ -420,7 +251,7 @@ class Forwarder:
         if failure is not None:
             raise failure
 
-    def _write_request(self, exchange: _Exchange, conn: WorkerConnection, message: bytes) -> None:
+    def _write_request(self, exchange: Exchange, conn: WorkerConnection, message: bytes) -> None:
         """Writes a whole request; the wait for its reply head starts now."""
         conn.write(message)
         # The reply is readied after the write, not before: no reply can be read until
@@ -434,14 +265,14 @@ class Forwarder:
         exchange.deadline = loop.time() + self._timeouts.first_byte_s
 
     async def _reply_head_or_retry(
-        self, exchange: _Exchange, message: bytes
+        self, exchange: Exchange, message: bytes
     ) -> UpstreamFailure | None:
         """Waits for the reply head to the whole request `message`, already written on the
         exchange's connection; once more on a new connection when that one was stale."""
         conn = exchange.conn
         assert conn is not None
         failure = await self._reply_head(exchange, conn)
-        if failure is None or not _stale(conn, exchange.request.method):
+        if failure is None or not stale(conn, exchange.request.method):
             return failure
         # The worker closed this kept-alive connection as the request went in: nothing
         # came back, so a request that may be repeated goes once more, on a connection
@@ -458,58 +289,8 @@ class Forwarder:
         self._write_request(exchange, conn, message)
         return await self._reply_head(exchange, conn)
 
-    def _start_upload(self, exchange: _Exchange, conn: WorkerConnection, head: bytes) -> None:
-        """Writes the head, then streams the body from the client in a task of its own, so
-        a worker that answers before reading the whole body is heard at once."""
-        conn.expect_reply(head_request=exchange.request.method == "HEAD")
-        conn.write(head)
-        loop = self._loop
-        assert loop is not None
-        exchange.deadline = loop.time() + self._timeouts.first_byte_s
-        exchange.upload = asyncio.create_task(
-            self._upload(exchange, conn), name=f"forward-upload {exchange.pool.url}"
-        )
-
-    async def _upload(self, exchange: _Exchange, conn: WorkerConnection) -> None:
-        content = exchange.request.body
-        assert content is not None
-        chunked = exchange.chunked
-        loop = self._loop
-        assert loop is not None
-        first_byte_s = self._timeouts.first_byte_s
-        limit = self.max_body_bytes
-        sent = 0
-        while True:
-            try:
-                # readany hands over what arrived since the last call, in one piece.
-                chunk = await content.readany()
-            except BodyBroken as broken:
-                exchange.body_broke = broken
-                conn.interrupt()
-                return
-            if conn.closed:
-                return  # the worker's side ended; the reply says how
-            if not chunk:
-                break
-            sent += len(chunk)
-            if limit is not None and sent > limit:
-                # Over the limit: the worker's connection is dropped mid-body (it sees a
-                # cut chunked message, never a complete one) and the client gets 413.
-                exchange.too_large = True
-                conn.interrupt()
-                return
-            conn.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
-            # Upload progress pushes the reply-head deadline on: first_byte_s bounds a
-            # stall in the upload, and after its last chunk the wait for the reply head.
-            exchange.deadline = loop.time() + first_byte_s
-            await conn.drain()
-        if chunked:
-            conn.write(b"0\r\n\r\n")
-        exchange.uploaded = True
-        exchange.deadline = loop.time() + first_byte_s
-
     async def _reply_head(
-        self, exchange: _Exchange, conn: WorkerConnection
+        self, exchange: Exchange, conn: WorkerConnection
     ) -> UpstreamFailure | None:
         """Waits for the reply head, until `exchange.deadline` (set when the request, or
         its last uploaded chunk, was written); None once it is in, else the failure."""
@@ -519,7 +300,7 @@ class Forwarder:
             if exchange.too_large:
                 return UpstreamFailure("too_large", "the request body is over the limit")
             if exchange.body_broke is not None:
-                return _body_failure(exchange.body_broke, request_sent=True)
+                return body_failure(exchange.body_broke, request_sent=True)
             if exchange.request.client.client_gone:
                 return UpstreamFailure("client_left", CLIENT_GONE)
             if reply.broken is not None:
@@ -532,7 +313,7 @@ class Forwarder:
     # --- the reply --------------------------------------------------------------------------
 
     async def _relay(
-        self, exchange: _Exchange, public_base: str | None, observer: ReplyObserver | None
+        self, exchange: Exchange, public_base: str | None, observer: ReplyObserver | None
     ) -> int:
         conn = exchange.conn
         assert conn is not None
@@ -545,13 +326,13 @@ class Forwarder:
         if reply.complete or (length is not None and length <= WHOLE_BODY_MAX):
             why = await self._whole_reply(conn)
             if why is None:
-                return self._send_whole(exchange, public_base)
-            headers = _client_headers(exchange, public_base)
+                return send_whole(exchange, public_base)
+            headers = client_headers(exchange, public_base)
             body = conn.take_body()
             exchange.settle(clean=False)
             send_cut(request, (status, reason, headers), body, why, self._timeouts.stream_idle_s)
             return status
-        headers = _client_headers(exchange, public_base)
+        headers = client_headers(exchange, public_base)
         idle_s = self._timeouts.stream_idle_s
         why = await stream_reply(request, (status, reason, headers), conn, idle_s)
         if why is None:
@@ -562,32 +343,6 @@ class Forwarder:
             log.info("reply to %s %s aborted: %s", request.method, request.path, why)
             request.client.reply_abort(idle_s)
         return status
-
-    def _send_whole(self, exchange: _Exchange, public_base: str | None) -> int:
-        """Relays a reply that is all in: head and body in one write; returns its status."""
-        conn = exchange.conn
-        assert conn is not None
-        reply = conn.reply
-        request = exchange.request
-        whole = reply.whole
-        client = request.client
-        if (
-            whole is not None
-            and keeps_every_reply_header(reply.raw_headers)
-            and client.reply_as_is(
-                request, reply.status, whole, reply.content_length, reply.has_date
-            )
-        ):
-            conn.take_body()  # it went within `whole`
-            # After the client write here (the write calls back into nothing), before
-            # the caller hears: the next request may have the connection.
-            exchange.settle(clean=True)
-            return reply.status
-        headers = _client_headers(exchange, public_base)
-        body = conn.take_body()
-        exchange.settle(clean=True)  # before the client write: the reply is all in
-        client.reply_whole(request, reply.status, reply.raw_reason, headers, body)
-        return reply.status
 
     async def _whole_reply(self, conn: WorkerConnection) -> str | None:
         """Reads a reply known to be small to its end; None then, else why it stopped."""
@@ -619,36 +374,3 @@ class Forwarder:
                 return  # what was read is relayed; the relay meets the same stall
         if reply.complete and reply.buffered <= wanted:
             observer.body(reply.peek_body())
-
-
-def _body_failure(broken: BodyBroken, *, request_sent: bool) -> UpstreamFailure:
-    """The failure a broken client body becomes: 400 when malformed, 408 when the client
-    went silent, else the client left."""
-    if broken.malformed:
-        return UpstreamFailure("bad_body", broken.reason, request_sent=request_sent)
-    if broken.timed_out:
-        return UpstreamFailure("client_timeout", broken.reason, request_sent=request_sent)
-    return UpstreamFailure("client_left", broken.reason, request_sent=request_sent)
-
-
-def _client_headers(exchange: _Exchange, public_base: str | None) -> list[tuple[bytes, bytes]]:
-    """The reply's headers as the client gets them."""
-    conn = exchange.conn
-    assert conn is not None
-    return relayed_reply_headers(
-        conn.reply.raw_headers,
-        private_origin=exchange.pool.address.private_origin,
-        public_base=public_base,
-    )
-
-
-def _stale(conn: WorkerConnection, method: str) -> bool:
-    """True when a request failed on a reused connection the worker had closed before
-    any reply byte, and may be sent again (idempotent, its body was not streamed)."""
-    reply = conn.reply
-    return (
-        conn.reused
-        and reply.broken == CLOSED_BEFORE_REPLY
-        and reply.received == 0
-        and method in IDEMPOTENT_METHODS
-    )

@@ -41,7 +41,7 @@ def _not_open() -> bool:
 class ReplyWatcher:
     """What `WorkerConnection.listen` wakes when the reply moves: an object whose
     `woke(outcome)` is called, not a callable, so the compiled build calls it
-    directly and no bound method is made per request (see `relay.LaneDone`)."""
+    directly and no bound method is made per request (see `relay_lane.LaneDone`)."""
 
     __slots__ = ()
 

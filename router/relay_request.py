@@ -1,11 +1,12 @@
-"""The request side of a relayed exchange: its target, its body's framing, and the
-failures of getting a connection for it.
+"""The request side of a relayed exchange: its head and body as the worker gets them,
+and the failures of getting them, or a connection for them, to it.
 
 This module owns how a client's request is put to a worker before any byte is written:
 the request target as the client wrote it, whether the body goes in the same write as
-the head (all here and small) or streams, the framing that always comes with a body, and
-the `UpstreamFailure` a failed connect becomes. It never writes to a socket and never
-waits on a worker.
+the head (all here and small) or streams, the framing that always comes with a body,
+the message written first, and the `UpstreamFailure` a refused request, a broken client
+body or a failed connect becomes. It never writes to a socket and never waits on a
+worker.
 """
 
 from __future__ import annotations
@@ -14,17 +15,64 @@ import errno
 import os
 from typing import Final
 
-from router.edge_request import PublicRequest
+from router.edge_request import BodyBroken, PublicRequest
 from router.forward import ForwardTimeouts, UpstreamFailure
+from router.relay_exchange import Exchange
 from router.relay_pool import PoolClosed
+from router.relay_wire import worker_request_head
 
-__all__ = ["WHOLE_BODY_MAX", "connect_failure", "framed_body"]
+__all__ = ["WHOLE_BODY_MAX", "body_failure", "connect_failure", "framed_body", "outgoing"]
 
 # A request body at most this large that has fully arrived goes out with its head in one
 # write; anything else streams. A reply body this large (known length) is read whole and
 # sent with its head in one write; anything larger, or of unknown length, streams.
 WHOLE_BODY_MAX: Final = 64 * 1024
 _REFUSED_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ENOENT})  # ENOENT: no socket file
+
+
+def outgoing(
+    exchange: Exchange, extra: dict[str, str], body: bytes | None, limit: int | None
+) -> tuple[bytes, bool]:
+    """What to write first, and whether it is the whole request: the head and the
+    framed body when the body is all here (True), else the head alone, the body to
+    stream after it (False). Head and body are joined in one piece, as the worker
+    reads them in one recv (no copy of the head into a second bytes object: ~250
+    instructions, callgrind on bench.hotpath). `limit`: the body limit for a body whose
+    length was not announced (None: none). Raises UpstreamFailure (nothing was sent)."""
+    request = exchange.request
+    method = request.method
+    if method == "CONNECT":
+        raise UpstreamFailure("error", "CONNECT is not forwarded", request_sent=False)
+    try:
+        payload, length, chunked = framed_body(request, body)
+    except BodyBroken as broken:
+        raise body_failure(broken, request_sent=False) from None
+    # A chunked body announced no length: measured here once all read (read_now()
+    # returns what framed_body read and kept).
+    if chunked and payload is not None and limit is not None and len(request.read_now()) > limit:
+        raise UpstreamFailure("too_large", "the request body is over the limit", request_sent=False)
+    if payload is None:
+        exchange.uploaded = False
+        exchange.chunked = chunked
+    try:
+        head = worker_request_head(
+            method,
+            request.target,
+            request.raw_headers,
+            worker_host=exchange.pool.address.host_header,
+            client_ip=request.remote,
+            scheme=request.scheme,
+            extra=extra,
+            content_length=length,
+            chunked=chunked,
+            authority=request.authority,
+            body=b"" if payload is None else payload,
+        )
+    except ValueError as exc:
+        raise UpstreamFailure(
+            "error", f"cannot send the request: {exc}", request_sent=False
+        ) from exc
+    return head, payload is not None
 
 
 def framed_body(
@@ -75,3 +123,13 @@ def connect_failure(
     if code in _REFUSED_ERRNOS:
         return UpstreamFailure("refused", detail, request_sent=request_sent)
     return UpstreamFailure("error", detail, request_sent=request_sent)
+
+
+def body_failure(broken: BodyBroken, *, request_sent: bool) -> UpstreamFailure:
+    """The failure a broken client body becomes: 400 when malformed, 408 when the client
+    went silent, else the client left."""
+    if broken.malformed:
+        return UpstreamFailure("bad_body", broken.reason, request_sent=request_sent)
+    if broken.timed_out:
+        return UpstreamFailure("client_timeout", broken.reason, request_sent=request_sent)
+    return UpstreamFailure("client_left", broken.reason, request_sent=request_sent)

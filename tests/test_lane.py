@@ -66,7 +66,7 @@ def timeouts(first_byte_s: float = 5.0) -> TimeoutsConfig:
 class Paths:
     """How the router's forwards went, from its Forwarder's counters: how many
     `Forwarder.start` took on the lane and declined, and how many lane forwards were
-    handed over to the coroutine path (`Forwarder._resume`). `lane`: False when the lane
+    handed over to the coroutine path (`Forwarder.resume`). `lane`: False when the lane
     was turned off for the test (every forward then takes `Forwarder.forward`)."""
 
     rig: Rig
