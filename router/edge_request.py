@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 from multidict import CIMultiDict
 
 if TYPE_CHECKING:
-    from router.edge import EdgeConnection
+    from router.edge_serve import ServingConnection
 
 __all__ = ["BodyBroken", "BodySource", "PublicRequest", "RequestBody"]
 
@@ -198,7 +198,7 @@ class PublicRequest:
         content_length: int | None,
         chunked: bool,
         body: RequestBody | None,
-        client: EdgeConnection,
+        client: ServingConnection,
         authority: str | None = None,
     ) -> None:
         self.method = method
@@ -225,7 +225,8 @@ class PublicRequest:
         self.authority = authority
         self.expect_continue = False
         self._whole_body: bytes | None = None
-        # The connection it came on, which writes its reply (router.edge.EdgeConnection).
+        # The connection it came on, which writes its reply (router.edge.EdgeConnection,
+        # as its handler sees it).
         self.client = client
         # Told once if the client connection closes while this request is handled.
         self.on_client_lost: ClientLost | None = None
