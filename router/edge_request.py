@@ -269,7 +269,7 @@ class PublicRequest:
         for pair in self.raw_headers:
             name = pair[0]
             # The name as asked is compared first: a client usually spells it so, and a
-            # lower() is a call by name and a new object (see router.edge's on_header).
+            # lower() is a call by name and a new object (see router.edge_parse's on_header).
             if len(name) == size and (name == spelled or name.lower() == wanted):
                 if found is None:
                     found = []

@@ -92,7 +92,7 @@ class WorkerConnection(asyncio.Protocol):
         self._timer_when = 0.0
         self.transport: asyncio.Transport | None = None
         # The transport's methods called per request, kept bound (see
-        # router.edge.EdgeConnection: a call by name looks the method up each time).
+        # router.edge_parse.ParsingConnection: a call by name looks the method up each time).
         self._transport_write: Callable[[bytes], object] | None = None
         self._transport_closing: Callable[[], bool] = _not_open
         self.reply = ReplyParser()

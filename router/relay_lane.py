@@ -29,7 +29,7 @@ class LaneDone:
     directly, where a closure made per request and called through the generic call
     protocol cost more; with `relay_connection.ReplyWatcher` (the same for the
     connection's callback), no closure and no bound method are made per request (one of
-    the trims in router.edge.EdgeConnection's figure)."""
+    the trims in router.edge_parse.ParsingConnection's figure)."""
 
     __slots__ = ()
 

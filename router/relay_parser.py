@@ -108,7 +108,7 @@ class ReplyParser:
     def _new_parser(self) -> None:
         parser = self._parser = HttpResponseParser(self)
         self._parser_spent = False
-        # Its methods called per reply, kept bound (see router.edge.EdgeConnection: a
+        # Its methods called per reply, kept bound (see router.edge_parse.ParsingConnection: a
         # call by name looks the method up each time).
         self._feed_data = parser.feed_data
         self._keeps_alive = parser.should_keep_alive
@@ -252,7 +252,7 @@ class ReplyParser:
         size = len(name)
         # Only three names matter here; their lengths rule most names out without lower(),
         # and the usual spellings are compared first (a lower() is a call by name and a
-        # new object: see router.edge's on_header).
+        # new object: see router.edge_parse's on_header).
         if size == 14:
             if (
                 name == b"Content-Length"
