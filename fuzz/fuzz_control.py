@@ -35,7 +35,8 @@ from typing import Any
 from fuzz_harness import instrumented, run
 
 with instrumented():
-    from router.control import ControlPolicy, ControlSession, Peer, decode_line, encode
+    from router.control import ControlPolicy, ControlSession, Peer
+    from router.control_codec import decode_line, encode
     from router.core import CoreSettings, RouterCore
 
 NAME = "control"

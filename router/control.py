@@ -1,11 +1,11 @@
-"""The control protocol (DESIGN §3): the line codec and one connection's session.
+"""The control protocol (DESIGN §3): one connection's session.
 
-`decode_line` turns one NDJSON line into a request or an error reply;
-`ControlSession` applies requests to the `RouterCore` on behalf of the worker
-that said hello on this connection and returns the reply for each, and
+`ControlSession` applies decoded requests to the `RouterCore` on behalf of the
+worker that said hello on this connection and returns the reply for each, and
 `ControlSession.answer_claim_or_release` answers the commonest lines without
-decoding them into a dict. None of them reads a socket or a clock: the server
-in `control_server` does the I/O.
+decoding them into a dict. It never reads a socket or a clock: the server in
+`control_server` does the I/O. The line codec and the url checks are in
+`control_codec`, the wording and budget of refusals in `control_refusals`.
 
 Malformed input is answered, never raised: a bad line gets `bad_request`, an
 unknown op `unknown_op`, and the connection goes on.
@@ -14,26 +14,33 @@ unknown op `unknown_op`, and the connection goes on.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from router.boot import valid_boot
-from router.claims import ClaimRefusal
+from router.control_codec import (
+    MAX_KEY_CHARS,
+    Reply,
+    encode,
+    error_reply,
+    is_loopback_url,
+    valid_upstream_url,
+)
+from router.control_refusals import (
+    SYNC_MAX_PENDING,
+    SyncRefusals,
+    claim_refused,
+    not_holder,
+    refused_sync_entry,
+)
 from router.core import RouterCore
 from router.workers import Worker, WorkerOrigin, WorkerState
 
 PROTOCOL_VERSION = 1
-MAX_LINE_BYTES = 1 << 20  # DESIGN §3: a line over 1 MiB closes the connection
-MAX_KEY_CHARS = 512  # longer than any key a token or cookie can carry
-SYNC_MAX_PENDING = 2_000_000  # bound on claims one sync may span, across its messages
 _WORKER_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
-
-Reply = dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,45 +62,6 @@ class ControlPolicy:
     secret: str | None
     router_boot: str
     spawned_ids: frozenset[str] = frozenset()  # the ids of the workers `spawn:` starts
-
-
-# One encoder for every reply (json.dumps with arguments builds one per call), same
-# output: 56,600 -> 63,200 pairs/s on `bench.micro --only control` with every line
-# on the general path (3 runs each).
-_JSON = json.JSONEncoder(separators=(",", ":"))
-
-
-def encode(reply: Reply) -> bytes:
-    """One reply line."""
-    return _JSON.encode(reply).encode() + b"\n"
-
-
-def error_reply(request_id: object, error: str, detail: str, **extra: Any) -> Reply:
-    return {"id": request_id, "ok": False, "error": error, "detail": detail, **extra}
-
-
-def decode_line(line: bytes) -> dict[str, Any] | Reply:
-    """Parse one line into a request dict with a valid `id` and string `op`.
-
-    Returns the request, or (when `"ok"` is in the result) the error reply.
-    """
-    try:
-        # Decode first: json.loads(bytes) would also take UTF-16/32 and a BOM.
-        message = json.loads(line.decode("utf-8"))
-    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
-        return error_reply(None, "bad_request", "The line is not a JSON object.")
-    if not isinstance(message, dict):
-        return error_reply(None, "bad_request", "The line is not a JSON object.")
-    request_id = message.get("id")
-    if request_id is not None and (
-        isinstance(request_id, bool) or not isinstance(request_id, (str, int))
-    ):
-        return error_reply(None, "bad_request", "`id` must be a string or an integer.")
-    if "ok" in message:
-        return error_reply(request_id, "bad_request", "Requests carry no `ok` field.")
-    if not isinstance(message.get("op"), str):
-        return error_reply(request_id, "bad_request", "`op` must be a string.")
-    return message
 
 
 # -- the fast path for claim and release -------------------------------------------
@@ -118,41 +86,6 @@ _ID_FIRST = re.compile(
     _OP + rb'"id":' + _ID + rb',"key":' + _KEY + rb'(?:,"kind":' + _KIND + rb")?\}"
 )
 _ID_LAST = re.compile(_OP + rb'"key":' + _KEY + rb',"kind":' + _KIND + rb',"id":' + _ID + rb"\}")
-
-
-def is_loopback_url(url: str) -> bool:
-    """True for `unix:` paths and http URLs on a loopback address."""
-    if url.startswith("unix:"):
-        return True
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def valid_upstream_url(url: str) -> bool:
-    """`http://host:port` or `unix:/path`, nothing else."""
-    if url.startswith("unix:"):
-        return url.startswith("unix:/") and "\x00" not in url  # absolute: cwds differ
-    if not url.isascii() or not url.isprintable() or " " in url:
-        return False  # urlsplit silently drops tabs and newlines; the url must be taken as is
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        return False
-    return (
-        parts.scheme == "http"
-        and bool(parts.hostname)
-        and bool(port)  # None or 0: nothing to connect to
-        and parts.path in ("", "/")
-        and not parts.query
-        and not parts.fragment
-        and parts.username is None
-    )
 
 
 class ControlSession:
@@ -212,10 +145,10 @@ class ControlSession:
             refusal = self.core.claim(worker, kind, raw_key.decode(), now)
             if refusal is None:
                 return "claim", "ok", b'{"id":' + raw_id + b',"ok":true}\n'
-            return "claim", refusal.error, encode(_refused(json.loads(raw_id), refusal))
+            return "claim", refusal.error, encode(claim_refused(json.loads(raw_id), refusal))
         if self.core.release(worker, kind, raw_key.decode(), now):
             return "release", "ok", b'{"id":' + raw_id + b',"ok":true}\n'
-        return "release", "not_holder", encode(_not_holder(json.loads(raw_id)))
+        return "release", "not_holder", encode(not_holder(json.loads(raw_id)))
 
     def closed(self, now: float) -> Worker | None:
         """The connection went away. Returns the worker whose lease it was, now lost."""
@@ -324,7 +257,7 @@ class ControlSession:
         refusal = self.core.claim(self.worker, *parsed, now)
         if refusal is None:
             return {"id": request.get("id"), "ok": True}
-        return _refused(request.get("id"), refusal)
+        return claim_refused(request.get("id"), refusal)
 
     def _release(self, request: dict[str, Any], now: float) -> Reply:
         parsed = self._kind_and_key(request)
@@ -333,7 +266,7 @@ class ControlSession:
         assert self.worker is not None
         if self.core.release(self.worker, *parsed, now):
             return {"id": request.get("id"), "ok": True}
-        return _not_holder(request.get("id"))
+        return not_holder(request.get("id"))
 
     def _sync(self, request: dict[str, Any], now: float) -> Reply:
         rid = request.get("id")
@@ -343,7 +276,7 @@ class ControlSession:
         pending = self._sync_pending if self._sync_pending is not None else set()
         # Refusals go in this message's reply, as many as fit in one line: a peer
         # cannot grow what the router keeps, nor make a reply it cannot read.
-        refusals = _Refusals(rid)
+        refusals = SyncRefusals(rid)
         for entry in entries:
             parsed = self._kind_and_key(entry) if isinstance(entry, dict) else None
             if isinstance(parsed, tuple):
@@ -351,7 +284,7 @@ class ControlSession:
             elif refusals.full:
                 refusals.omitted += 1
             else:
-                refusals.add(_refused_entry(entry, parsed))
+                refusals.add(refused_sync_entry(entry, parsed))
         if len(pending) > SYNC_MAX_PENDING:
             self._sync_pending = None
             return error_reply(rid, "bad_request", "The sync lists too many claims.")
@@ -398,76 +331,3 @@ class ControlSession:
         "bye": _bye,
         "ping": _ping,
     }
-
-
-_REFUSAL_DETAIL = {
-    "conflict": "Another worker holds this key (`holder`; it may be lost and in its grace period).",
-    "ended": "This key ended; a new attempt needs a new key.",
-    "worker_exited": "The worker that held this key exited; a new attempt needs a new key.",
-}
-
-
-def _refused(request_id: object, refusal: ClaimRefusal) -> Reply:
-    """The reply to a claim the core refused."""
-    extra = {"holder": refusal.holder} if refusal.holder is not None else {}
-    return error_reply(request_id, refusal.error, _REFUSAL_DETAIL[refusal.error], **extra)
-
-
-def _not_holder(request_id: object) -> Reply:
-    return error_reply(request_id, "not_holder", "Another worker holds this key.")
-
-
-def _refused_entry(entry: object, error: Reply | None) -> Reply:
-    """The refusal of a malformed sync entry. Its kind and key are echoed only when
-    they are strings a claim could carry, so that every refusal stays small."""
-    kind: object = None
-    key: object = None
-    if isinstance(entry, dict):
-        kind, key = entry.get("kind", "episode"), entry.get("key")
-    code = error["error"] if error is not None else "bad_request"
-    return {"kind": _echoable(kind), "key": _echoable(key), "error": code}
-
-
-def _echoable(value: object) -> str | None:
-    return value if isinstance(value, str) and len(value) <= MAX_KEY_CHARS else None
-
-
-class _Refusals:
-    """The refusals one sync reply lists: in order while the reply stays under
-    MAX_LINE_BYTES, then only counted (`refused_omitted`)."""
-
-    __slots__ = ("_room", "full", "listed", "omitted")
-
-    def __init__(self, request_id: object) -> None:
-        # The reply without its refusals, with the largest counts it can carry.
-        envelope = {
-            "id": request_id,
-            "ok": True,
-            "accepted": SYNC_MAX_PENDING,
-            "refused": [],
-            "more": True,
-            "refused_omitted": 1 << 62,
-        }
-        self._room = MAX_LINE_BYTES - len(encode(envelope))
-        self.listed: list[Reply] = []
-        self.omitted = 0
-        self.full = self._room <= 0
-
-    def add(self, refusal: Reply) -> None:
-        """List `refusal` if it fits (with its comma); otherwise count it, and every later one."""
-        size = len(_JSON.encode(refusal)) + 1
-        if self.full or size > self._room:
-            self.full = True
-            self.omitted += 1
-            return
-        self.listed.append(refusal)
-        self._room -= size
-
-    def reply(self, request_id: object, accepted: int, *, more: bool) -> Reply:
-        """The sync reply, with `refused_omitted` when some refusals are not listed."""
-        reply: Reply = {"id": request_id, "ok": True, "accepted": accepted, "refused": self.listed}
-        if more:
-            reply["more"] = True
-        if self.omitted:
-            reply["refused_omitted"] = self.omitted
-        return reply

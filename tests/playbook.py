@@ -28,7 +28,8 @@ from typing import Any, TypeAlias
 from router.answers import Answer
 from router.claims import Claim as ClaimRecord
 from router.claims import ClaimState, ClaimTable
-from router.control import ControlPolicy, ControlSession, Peer, decode_line, encode
+from router.control import ControlPolicy, ControlSession, Peer
+from router.control_codec import decode_line, encode
 from router.core import CoreSettings, Forward, RouterCore
 from router.workers import Worker, WorkerOrigin
 

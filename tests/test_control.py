@@ -1,4 +1,4 @@
-"""Pure tests for router.control: the line codec and a connection's session over the core.
+"""Pure tests for router.control: a connection's session over the core.
 
 Playbook steps send real lines through `decode_line`, `ControlSession.handle` and
 `encode`, on named connections, and assert each reply and the whole state after it.
@@ -43,16 +43,8 @@ from playbook import (
     policy,
 )
 
-from router.control import (
-    MAX_KEY_CHARS,
-    MAX_LINE_BYTES,
-    ControlSession,
-    Peer,
-    decode_line,
-    encode,
-    is_loopback_url,
-    valid_upstream_url,
-)
+from router.control import ControlSession, Peer
+from router.control_codec import MAX_KEY_CHARS, MAX_LINE_BYTES, decode_line, encode
 from router.core import CoreSettings, RouterCore
 from router.workers import WorkerOrigin
 
@@ -116,129 +108,6 @@ def with_w0_and_w1() -> Playbook:
             (Send("b", claim(2, "ep2")), ok(2), {C("ep2"): "held w1"}),
         ]
     )
-
-
-# -- the line codec ----------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "line",
-    [
-        b"",
-        b"   ",
-        b"not json",
-        b"{",
-        b'{"op":"ping","id":1',
-        b'{"op":"ping","id":1}{"op":"ping","id":2}',
-        b"[]",
-        b'[{"op":"ping","id":1}]',
-        b'"ping"',
-        b"1",
-        b"null",
-        b"true",
-        b'{"op":"ping","id":"\xff"}',  # not UTF-8
-        b'{"op":"ping","id":"\xed\xa0\x80"}',  # an encoded surrogate is not UTF-8
-        b'\xef\xbb\xbf{"op":"ping","id":1}',  # a BOM: the protocol is plain UTF-8
-        '{"op":"ping","id":1}'.encode("utf-16"),
-        '{"op":"ping","id":1}'.encode("utf-16-le"),
-        '{"op":"ping","id":1}'.encode("utf-32"),
-        b"[" * 100_000 + b"]" * 100_000,  # deeper than the parser recurses
-        b'{"op":"ping","id":' + b"1" * 5000 + b"}",  # more digits than Python parses
-        b'{"op":"ping","id":true}',
-        b'{"op":"ping","id":false}',
-        b'{"op":"ping","id":1.5}',
-        b'{"op":"ping","id":1e3}',
-        b'{"op":"ping","id":[1]}',
-        b'{"op":"ping","id":{"a":1}}',
-        b'{"op":"ping","id":NaN}',
-    ],
-)
-def test_unparsable_lines_are_bad_request_with_a_null_id(line: bytes) -> None:
-    reply = decode_line(line)
-    assert set(reply) == {"id", "ok", "error", "detail"}
-    assert (reply["id"], reply["ok"], reply["error"]) == (None, False, "bad_request")
-    assert isinstance(reply["detail"], str) and reply["detail"].endswith(".")
-
-
-@pytest.mark.parametrize(
-    ("line", "request_id"),
-    [
-        (b'{"id":7}', 7),
-        (b'{"op":null,"id":"x"}', "x"),
-        (b'{"op":5,"id":7}', 7),
-        (b'{"op":["ping"]}', None),
-        (b'{"op":"ping","id":3,"ok":true}', 3),  # a reply sent back is not a request
-    ],
-)
-def test_requests_without_a_string_op_are_bad_request_with_their_id(
-    line: bytes, request_id: object
-) -> None:
-    reply = decode_line(line)
-    assert (reply["id"], reply["ok"], reply["error"]) == (request_id, False, "bad_request")
-
-
-@pytest.mark.parametrize(
-    "message",
-    [
-        {"op": "ping", "id": 1},
-        {"op": "ping", "id": "req-1"},
-        {"op": "ping", "id": 0},
-        {"op": "ping", "id": -5},
-        {"op": "ping", "id": 2**62},
-        {"op": "ping", "id": None},
-        {"op": "ping"},
-        {"op": "whatever", "id": "é", "extra": [1, {"a": None}]},
-    ],
-)
-def test_well_formed_lines_decode_to_the_request(message: dict[str, Any]) -> None:
-    line = json.dumps(message).encode() + b"\r\n"
-    assert decode_line(line) == message
-
-
-def test_encode_writes_one_compact_line() -> None:
-    assert encode({"id": 1, "ok": True}) == b'{"id":1,"ok":true}\n'
-    reply = {"id": "x\ny", "ok": False, "error": "bad_request", "detail": "Line\u2028two."}
-    wire = encode(reply)
-    assert wire.count(b"\n") == 1 and wire.endswith(b"\n")
-    assert json.loads(wire) == reply
-
-
-@pytest.mark.parametrize(
-    ("url", "valid", "loopback"),
-    [
-        ("http://127.0.0.1:9001", True, True),
-        ("http://127.0.0.1:9001/", True, True),
-        ("http://localhost:9001", True, True),
-        ("http://[::1]:9001", True, True),
-        ("http://10.0.0.5:9001", True, False),
-        ("http://worker.internal:9001", True, False),
-        ("unix:/run/worker.sock", True, True),
-        ("unix:", False, True),
-        ("unix:run/worker.sock", False, True),  # relative to whose working directory?
-        ("unix:/run/a\x00b", False, True),
-        ("https://127.0.0.1:9001", False, True),
-        ("ftp://127.0.0.1:9001", False, True),
-        ("http://127.0.0.1", False, True),
-        ("http://127.0.0.1:99999", False, True),
-        ("http://127.0.0.1:0", False, True),
-        ("http://127.0.0.1:port", False, True),
-        ("http://127.0.0.1:9001/path", False, True),
-        ("http://127.0.0.1:9001?q=1", False, True),
-        ("http://127.0.0.1:9001#f", False, True),
-        ("http://user@127.0.0.1:9001", False, True),
-        ("http://:9001", False, False),
-        ("127.0.0.1:9001", False, False),
-        ("http://127.0.0.1:9001\n", False, True),
-        ("http://127.0.0.1:9\t001", False, True),
-        (" http://127.0.0.1:9001", False, True),
-        ("http://127.0.0.1:9001\r\nX-Evil: 1", False, True),
-        ("http://a b:9001", False, False),
-        ("http://\u0661\u0662\u0667.0.0.1:9001", False, False),  # Arabic-Indic digits
-    ],
-)
-def test_upstream_urls(url: str, valid: bool, loopback: bool) -> None:
-    assert valid_upstream_url(url) is valid
-    assert is_loopback_url(url) is loopback
 
 
 # -- hello -----------------------------------------------------------------------

@@ -39,7 +39,8 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from itsdangerous import TimestampSigner, URLSafeSerializer
 
 from router.config import SignatureConfig
-from router.control import ControlPolicy, ControlSession, Peer, decode_line, encode
+from router.control import ControlPolicy, ControlSession, Peer
+from router.control_codec import decode_line, encode
 from router.core import CoreSettings, RouterCore
 from router.formats import (
     MAX_KEY_CHARS,
