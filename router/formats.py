@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Final
 
 from itsdangerous import BadSignature, TimestampSigner, URLSafeSerializer
 
+from router.control_codec import MAX_KEY_CHARS  # a longer key can never be claimed
 from router.token_errors import RefusalCode, RefusedValue
 
 if TYPE_CHECKING:
@@ -51,7 +52,6 @@ __all__ = [
     "starlette_session_key",
 ]
 
-MAX_KEY_CHARS: Final = 512  # the control protocol's key bound: a longer key can never be claimed
 MAX_VALUE_CHARS: Final = 16384  # a signed value longer than the default header limit is not real
 MAX_PAYLOAD_BYTES: Final = 65536  # inflated itsdangerous payloads; session tokens are far smaller
 
