@@ -32,6 +32,8 @@ from setuptools.command.build_ext import build_ext
 COMPILED_MODULES = [
     "router/answers.py",
     "router/app.py",
+    "router/app_destination.py",
+    "router/app_exchange.py",
     "router/claims.py",
     "router/core.py",
     "router/edge.py",

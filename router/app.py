@@ -1,8 +1,11 @@
 """The public handler: read the session, ask the core, forward or answer.
 
-This is the edge where a decision becomes HTTP: the router's own answers are
-written here (and only here) from `router.answers`, and forwarding failures
-are translated into the answers of DESIGN §1.
+This module owns the routing flow of one request: the early refusals, the session read
+from its head, path or body, the core's decision, the forward (on the relay's lane when
+it can go at once, else as a coroutine), the retries of a sessionless request, and the
+metrics and access log of a request that is done. It never writes an answer itself nor
+picks the answer a failed forward gets (`router.app_exchange` does both), and never
+builds where a forward goes (`router.app_destination`).
 """
 
 from __future__ import annotations
@@ -13,30 +16,25 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Final
 
 from router.answers import Answer
+from router.app_destination import destination
+from router.app_exchange import MAX_LOGGED_PATH, Exchange, failure_answer
 from router.core import Forward, RouterCore
 from router.edge_request import BodyBroken, PublicRequest
 from router.framing import framing_problem
 from router.learn import ReplyLearner, plan_learning
 from router.metrics import RouterMetrics
-from router.metrics_labels import CLIENT_CLOSED
-from router.relay import Forwarder, LaneDone, Upstream, UpstreamFailure
-from router.relay_wire import NO_EXTRA
+from router.relay import Forwarder, UpstreamFailure
 from router.sessions import SessionReader, SessionRef
-from router.workers import Worker, WorkerState
+from router.workers import Worker
 
 log = logging.getLogger("episode_router.public")
-answers_log = logging.getLogger("episode_router.answers")
 access_log = logging.getLogger("episode_router.access")
-MAX_LOGGED_PATH: Final = 200  # a hostile client's path is cut here in the log
 
-BOOT_HEADER = "X-Episode-Router-Boot"
 MAX_SESSIONLESS_TRIES: Final = 3  # connect refused on a sessionless request: try this many workers
 # A Final name: the compiled build keeps it in a C variable, where an imported name is
 # looked up in the module's dict at each call (~130 instructions, three times a
 # request; callgrind on bench.hotpath, compiled).
 _perf_counter: Final = time.perf_counter
-# A request whose client left before its reply is counted with nginx's status for it.
-CLIENT_CLOSED_STATUS: Final = 499
 
 
 class PublicHandler:
@@ -77,7 +75,7 @@ class PublicHandler:
         that must wait (a body to read for its session, a new worker connection, a
         reply to stream, a failure to look into) is returned as a coroutine to run.
         """
-        exchange = _Exchange(self, request, _perf_counter())
+        exchange = Exchange(self, request, _perf_counter())
         refusal = self._refuse_early(request)
         if refusal is None:
             reader = self.sessions
@@ -91,7 +89,7 @@ class PublicHandler:
                 # A reply a learner must see goes the coroutine path (Forwarder.forward).
                 observer = self._learner(exchange, decision.worker)
                 if observer is None and self._start_forward(exchange, decision):
-                    return None  # _lane_done finishes it
+                    return None  # lane_done finishes it
                 # Counted in flight now, with the decision: the next request the loop
                 # routes before this coroutine runs must see it (workers.pick).
                 first = self._try_worker(exchange, decision, observer)
@@ -101,7 +99,7 @@ class PublicHandler:
         request.client.finished(request)
         return None
 
-    async def _session_from_body(self, exchange: _Exchange) -> None:
+    async def _session_from_body(self, exchange: Exchange) -> None:
         request = exchange.request
         _continue_if_expected(request)  # the session is in the body: let it come
         try:
@@ -115,7 +113,7 @@ class PublicHandler:
         if decision is not None:
             await self._forward_and_finish(exchange, decision)
 
-    def _route(self, exchange: _Exchange, found: SessionRef | Answer | None) -> Forward | None:
+    def _route(self, exchange: Exchange, found: SessionRef | Answer | None) -> Forward | None:
         """Where the request goes, from the session read so far; None when the router
         answered it itself (the answer is out and counted)."""
         if found is None and self.sessions.reads_paths:
@@ -144,13 +142,13 @@ class PublicHandler:
             return None
         return decision
 
-    def _answer(self, exchange: _Exchange, answer: Answer) -> None:
+    def _answer(self, exchange: Exchange, answer: Answer) -> None:
         exchange.answer(answer)
         self._finish(exchange)
 
     async def _forward_and_finish(
         self,
-        exchange: _Exchange,
+        exchange: Exchange,
         decision: Forward,
         first: Awaitable[int | UpstreamFailure] | None = None,
     ) -> None:
@@ -161,7 +159,7 @@ class PublicHandler:
             exchange.body_broke(broken)
         self._finish(exchange)
 
-    def _finish(self, exchange: _Exchange) -> None:
+    def _finish(self, exchange: Exchange) -> None:
         """Counts and logs a request the router is done with."""
         elapsed = _perf_counter() - exchange.started
         metrics = self.metrics
@@ -183,7 +181,7 @@ class PublicHandler:
                 },
             )
 
-    def _decision_observed(self, exchange: _Exchange) -> None:
+    def _decision_observed(self, exchange: Exchange) -> None:
         """Observes how long routing `exchange` took, once: when it ends (an answer, a
         reply relayed on the lane) or when its forward coroutine begins (a reply that
         may stream for long is counted at its start)."""
@@ -211,7 +209,7 @@ class PublicHandler:
 
     async def _forward(
         self,
-        exchange: _Exchange,
+        exchange: Exchange,
         decision: Forward,
         first: Awaitable[int | UpstreamFailure] | None = None,
     ) -> None:
@@ -232,18 +230,8 @@ class PublicHandler:
             if not isinstance(outcome, UpstreamFailure):
                 exchange.status = outcome
                 return
-            if outcome.kind == "client_left":
-                return exchange.client_left()
-            if outcome.kind == "bad_body":
-                return exchange.answer(
-                    Answer("bad_request", f"The request body is malformed ({outcome.detail}).")
-                )
-            if outcome.kind == "client_timeout":
-                return exchange.answer(_body_timeout_answer(outcome.detail))
-            if outcome.kind == "too_large":
-                return exchange.answer(
-                    Answer("payload_too_large", "The request body is over the router's limit.")
-                )
+            if exchange.failed_by_client(outcome):
+                return
             if self.metrics is not None:
                 self.metrics.upstream_failure(worker.id, outcome.kind)
             gone = outcome.kind != "timeout" and await self._check_worker(worker)
@@ -257,16 +245,16 @@ class PublicHandler:
                     decision = retry
                     continue
                 return exchange.answer(retry)
-            return exchange.answer(self._failure_answer(outcome, gone, decision))
+            return exchange.answer(failure_answer(outcome, gone, decision))
 
     def _try_worker(
-        self, exchange: _Exchange, decision: Forward, observer: ReplyLearner | None
+        self, exchange: Exchange, decision: Forward, observer: ReplyLearner | None
     ) -> Coroutine[Any, Any, int | UpstreamFailure]:
         """One forward to the decision's worker, its reply shown to `observer`, counted in
         flight from now on."""
         worker = decision.worker
         worker.in_flight += 1
-        upstream, extra, public_base = _destination(exchange, decision)
+        upstream, extra, public_base = destination(decision, exchange.request.host)
         forward = self.forwarder.forward(
             exchange.request,
             upstream,
@@ -288,12 +276,12 @@ class PublicHandler:
         finally:
             worker.in_flight -= 1
 
-    def _start_forward(self, exchange: _Exchange, decision: Forward) -> bool:
+    def _start_forward(self, exchange: Exchange, decision: Forward) -> bool:
         """Starts the forward on the relay's lane (`Forwarder.start`) when it can go at
         once; False when it cannot."""
         worker = decision.worker
         worker.in_flight += 1
-        upstream, extra, public_base = _destination(exchange, decision)
+        upstream, extra, public_base = destination(decision, exchange.request.host)
         exchange.decision = decision
         started = self.forwarder.start(
             exchange.request,
@@ -307,8 +295,8 @@ class PublicHandler:
             worker.in_flight -= 1
         return started
 
-    def _lane_done(self, exchange: _Exchange, result: int | Coroutine[Any, Any, int]) -> None:
-        """The relay's callback for a forward on its lane (`_Exchange.lane_done`): the
+    def lane_done(self, exchange: Exchange, result: int | Coroutine[Any, Any, int]) -> None:
+        """The relay's callback for a forward on its lane (`Exchange.lane_done`): the
         reply went out (`result` is its status), or the rest of the forward is a
         coroutine to run."""
         request = exchange.request
@@ -323,7 +311,7 @@ class PublicHandler:
         first = self._attempt(decision.worker, result)
         request.client.carry_on(request, self._forward_and_finish(exchange, decision, first))
 
-    def _learner(self, exchange: _Exchange, worker: Worker) -> ReplyLearner | None:
+    def _learner(self, exchange: Exchange, worker: Worker) -> ReplyLearner | None:
         """A watcher for the reply when it may teach a claim (seed, close, MCP)."""
         reader = self.sessions
         if not reader.learns:
@@ -343,151 +331,6 @@ class PublicHandler:
             metrics=self.metrics,
         )
 
-    def _failure_answer(self, failure: UpstreamFailure, gone: bool, decision: Forward) -> Answer:
-        """DESIGN §3: before the reply head, a refused connect or a worker whose lease
-        is gone is 410 worker_exited; otherwise 502, or 504 on a timeout."""
-        session = decision.session
-        gone = gone or decision.worker.state in (WorkerState.EXITED, WorkerState.LOST)
-        if failure.kind == "refused" or (gone and failure.kind == "error"):
-            ran = "ran this episode" if session is not None else "was chosen for this request"
-            return Answer("worker_exited", f"The worker that {ran} is no longer running.", session)
-        if failure.kind == "timeout":
-            return Answer("upstream_timeout", "The worker did not answer in time.", session)
-        return Answer("upstream_error", f"The worker failed: {failure.detail}", session)
-
-
-class _Exchange(LaneDone):
-    """One request on its way through the handler, with what was learned of it."""
-
-    __slots__ = (
-        "body",
-        "decided",
-        "decision",
-        "found",
-        "handler",
-        "kind",
-        "outcome",
-        "request",
-        "seeding",
-        "started",
-        "status",
-    )
-
-    def __init__(self, handler: PublicHandler, request: PublicRequest, started: float) -> None:
-        self.handler = handler
-        self.request = request
-        self.started = started  # time.perf_counter() when it was handed to the handler
-        self.kind: str | None = None  # the session kind it named, for metrics
-        self.outcome = "forwarded"  # or the code of the router's own answer
-        self.status = 0  # the reply's status, for metrics
-        self.seeding: frozenset[str] = frozenset()
-        self.found: SessionRef | None = None
-        self.body: bytes | None = None  # read only when a body kind needed it
-        self.decision: Forward | None = None  # set when it goes on the relay's lane
-        self.decided = 0.0  # time.perf_counter() when it was routed (0: not routed)
-
-    def lane_done(self, result: int | Coroutine[Any, Any, int]) -> None:
-        self.handler._lane_done(self, result)
-
-    @property
-    def path(self) -> str:
-        """The request's path: routes are matched on the raw path, as the worker will
-        read it."""
-        return self.request.path
-
-    def answer(self, answer: Answer) -> None:
-        """Sends the router's own answer to this request, logged as one line (never the
-        token: `session` is the key the token names)."""
-        self.outcome = answer.code
-        self.status = answer.status
-        request = self.request
-        answers_log.info(
-            "answered",
-            extra={
-                "code": answer.code,
-                "status": answer.status,
-                "kind": self.kind,
-                "session": answer.session,
-                "method": request.method,
-                "path": self.path[:MAX_LOGGED_PATH],
-                "client": request.remote,
-            },
-        )
-        request.client.answer(request, answer)
-
-    def body_broke(self, broken: BodyBroken) -> None:
-        """The request body could not be read: 400 for a malformed one, 408 for one whose
-        client went silent; nothing for a client that left (there is no one to answer)."""
-        if broken.malformed:
-            self.answer(Answer("bad_request", f"The request body is malformed ({broken.reason})."))
-        elif broken.timed_out:
-            self.answer(_body_timeout_answer(broken.reason))
-        else:
-            self.client_left()
-
-    def client_left(self) -> None:
-        """The client went away before its reply: counted, nothing is sent."""
-        self.outcome = CLIENT_CLOSED
-        self.status = CLIENT_CLOSED_STATUS
-        self.request.client.drop()
-
-
-class _Destination:
-    """Where the forwards to one worker go and the headers the router adds (its boot),
-    kept while the worker's address and boot stay. Built per request, `_destination`
-    took ~1,300 instructions (its Upstream's release included); kept, ~650 (callgrind
-    on bench.hotpath, compiled)."""
-
-    __slots__ = ("boot", "extra", "upstream", "url")
-
-    def __init__(self, worker: Worker, boot: str | None) -> None:
-        self.url = worker.url
-        self.boot = boot
-        self.upstream = Upstream(worker.id, worker.url)
-        self.extra: dict[str, str] = {BOOT_HEADER: boot} if boot else NO_EXTRA
-
-
-# The destinations kept, by worker id: emptied when this many, so workers that come and
-# go cannot grow it.
-MAX_KEPT_DESTINATIONS: Final = 1024
-_DESTINATIONS: Final[dict[str, _Destination]] = {}
-
-
-def _destination(exchange: _Exchange, decision: Forward) -> tuple[Upstream, dict[str, str], str]:
-    """Where a forward goes, the headers the router adds (the boot), and the public
-    origin a Location naming the worker is rewritten to."""
-    worker = decision.worker
-    kept = _DESTINATIONS.get(worker.id)
-    if kept is None or kept.url != worker.url or kept.boot != decision.boot:
-        if len(_DESTINATIONS) >= MAX_KEPT_DESTINATIONS:
-            _DESTINATIONS.clear()
-        kept = _DESTINATIONS[worker.id] = _Destination(worker, decision.boot)
-    return kept.upstream, kept.extra, _public_base(exchange.request.host)
-
-
-class _LastBase:
-    """The last public origin built, and the Host it was built from."""
-
-    def __init__(self) -> None:
-        self.host = ""
-        self.base = "http://"
-
-
-# The same Host request after request (see router.edge_text's host_text): the last origin
-# is reused, instead of formatted again (_destination: 590 -> 280 instructions a
-# request, callgrind on bench.hotpath, compiled).
-_LAST_BASE: Final = _LastBase()
-
-
-def _public_base(host: str) -> str:
-    last = _LAST_BASE
-    if host == last.host:
-        return last.base
-    base = f"http://{host}"
-    last.host = host
-    last.base = base
-    return base
-
 
 def _continue_if_expected(request: PublicRequest) -> None:
     """`100 Continue` for a client that waits for it before it sends the body (once:
@@ -495,11 +338,6 @@ def _continue_if_expected(request: PublicRequest) -> None:
     own expect timeout."""
     if request.expect_continue and not request.body_complete:
         request.client.send_continue()
-
-
-def _body_timeout_answer(reason: str) -> Answer:
-    """408: the client went silent mid-body (its fault, not the worker's)."""
-    return Answer("request_timeout", f"The request body stopped arriving ({reason}).")
 
 
 def _small_json_body(request: PublicRequest, reader: SessionReader) -> bool:

@@ -41,7 +41,6 @@ from router_fixtures import (
 )
 from test_metrics import scrape, series
 
-from router import app as app_module
 from router.config import (
     BodyFieldConfig,
     LimitsConfig,
@@ -968,9 +967,3 @@ async def test_a_streamed_chunked_body_over_the_limit_gets_413_and_never_complet
         conn.close()
     assert status == 413 and json.loads(body)["error"] == "payload_too_large"
     assert worker.seen == []  # the worker never got a complete request
-
-
-def test_the_public_origin_follows_each_host() -> None:
-    # The last origin is reused while the Host is the same: a change is seen.
-    for host in ["r.example:8080", "[::1]:8080", "r.example:8080", "r.example:8080", ""]:
-        assert app_module._public_base(host) == f"http://{host}"
