@@ -17,7 +17,7 @@ from typing import Any, Final
 
 from router.answers import Answer
 from router.app_destination import destination
-from router.app_exchange import MAX_LOGGED_PATH, Exchange, failure_answer
+from router.app_exchange import BODY_OVER_LIMIT, MAX_LOGGED_PATH, Exchange, failure_answer
 from router.core import Forward, RouterCore
 from router.edge_request import BodyBroken, PublicRequest
 from router.framing import framing_problem
@@ -204,7 +204,7 @@ class PublicHandler:
         if problem is not None:
             return Answer("bad_request", problem)
         if self.max_body_bytes is not None and length is not None and length > self.max_body_bytes:
-            return Answer("payload_too_large", "The request body is over the router's limit.")
+            return BODY_OVER_LIMIT
         return None
 
     async def _forward(

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from typing import Final
 
+from router.boot import BOOT_HEADER
 from router.core import Forward
 from router.forward import Upstream
 from router.relay_wire import NO_EXTRA
 from router.workers import Worker
 
-__all__ = ["BOOT_HEADER", "MAX_KEPT_DESTINATIONS", "Destination", "destination", "public_base"]
-
-BOOT_HEADER = "X-Episode-Router-Boot"
+__all__ = ["MAX_KEPT_DESTINATIONS", "Destination", "destination", "public_base"]
 
 
 class Destination:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # only annotations: router.app imports this module
     from router.app import PublicHandler
 
 __all__ = [
+    "BODY_OVER_LIMIT",
     "CLIENT_CLOSED_STATUS",
     "MAX_LOGGED_PATH",
     "Exchange",
@@ -35,6 +36,8 @@ __all__ = [
 ]
 
 answers_log = logging.getLogger("episode_router.answers")
+# A body over `limits.max_body_bytes`, by its Content-Length or as it streams in.
+BODY_OVER_LIMIT: Final = Answer("payload_too_large", "The request body is over the router's limit.")
 MAX_LOGGED_PATH: Final = 200  # a hostile client's path is cut here in the log
 # A request whose client left before its reply is counted with nginx's status for it.
 CLIENT_CLOSED_STATUS: Final = 499
@@ -127,7 +130,7 @@ class Exchange(LaneDone):
         elif kind == "client_timeout":
             self.answer(body_timeout_answer(failure.detail))
         elif kind == "too_large":
-            self.answer(Answer("payload_too_large", "The request body is over the router's limit."))
+            self.answer(BODY_OVER_LIMIT)
         else:
             return False
         return True

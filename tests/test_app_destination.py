@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from router import app_destination
-from router.app_destination import BOOT_HEADER, destination, public_base
+from router.app_destination import destination, public_base
+from router.boot import BOOT_HEADER
 from router.core import Forward
 from router.relay_wire import NO_EXTRA
 from router.workers import Worker, WorkerOrigin
