@@ -3,9 +3,10 @@
 This module owns the routing flow of one request: the early refusals, the session read
 from its head, path or body, the core's decision, the forward (on the relay's lane when
 it can go at once, else as a coroutine), the retries of a sessionless request, and the
-metrics and access log of a request that is done. It never writes an answer itself nor
-picks the answer a failed forward gets (`router.app_exchange` does both), and never
-builds where a forward goes (`router.app_destination`).
+metrics and access log of a request that is done. It never writes an answer itself
+(`router.app_exchange` does, and picks the answer a failed forward gets, but for the
+core's answer when a sessionless retry finds no worker), and never builds where a
+forward goes (`router.app_destination`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from router.workers import Worker
 log = logging.getLogger("episode_router.public")
 access_log = logging.getLogger("episode_router.access")
 
-MAX_SESSIONLESS_TRIES: Final = 3  # connect refused on a sessionless request: try this many workers
+MAX_SESSIONLESS_TRIES: Final = 3  # a sessionless request nothing of which reached a worker
 # A Final name: the compiled build keeps it in a C variable, where an imported name is
 # looked up in the module's dict at each call (~130 instructions, three times a
 # request; callgrind on bench.hotpath, compiled).
@@ -235,9 +236,10 @@ class PublicHandler:
             if self.metrics is not None:
                 self.metrics.upstream_failure(worker.id, outcome.kind)
             gone = outcome.kind != "timeout" and await self._check_worker(worker)
-            # Nothing of it reached that worker (a refused connect, a pool closed under
-            # it as the worker was replaced, a failed first write): another one may
-            # take a sessionless request. Not after a timeout: each try would cost one.
+            # Nothing of it reached that worker (a refused or failed connect, a pool closed
+            # under it as the worker was replaced, an address the relay cannot use):
+            # another one may take a sessionless request. Not after a timeout: each try
+            # would cost one.
             retriable = sessionless and outcome.kind != "timeout" and not outcome.request_sent
             if retriable and len(tried) < MAX_SESSIONLESS_TRIES:
                 retry = self.core.balance(None, frozenset(tried))

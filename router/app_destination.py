@@ -3,7 +3,8 @@
 This module owns what the public handler hands the relay about a forward's destination
 and the caches that keep it cheap: the upstream and added headers (the boot) kept per
 worker while its address and boot stay, and the public origin kept while the Host
-stays. It is pure and synchronous: it never routes, never forwards and never answers.
+stays. It does no I/O and never waits: it never routes, never forwards and never
+answers.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 This module owns what the handler learns of one request (its session, its decision, its
 outcome and status for the metrics) and the translation of what went wrong into the
 answers of DESIGN §1 and §3: the answer written and logged, a body that broke, a client
-that left, a forward that failed. The router's own answers are written here and only
-here, from `router.answers`. It never routes, never forwards and never waits: the flow
-is `router.app`'s.
+that left, a forward that failed. The handler's answers are written here, from
+`router.answers` (the public server answers a head it refuses itself). It never
+routes, never forwards and never waits: the flow is `router.app`'s.
 """
 
 from __future__ import annotations

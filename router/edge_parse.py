@@ -80,12 +80,13 @@ class ParsingConnection(ServingConnection):
     ) -> None:
         super().__init__(handler, loop, time, limits)
         self._parser = HttpRequestParser(self)
-        # The parser's and the transport's methods called per request, kept bound: the
-        # compiled build calls a bound method directly, where a call by name looks the
-        # method up each time. With the same in router.relay_pool and relay_wire, lists
-        # for deques, the lane's objects (router.relay.LaneDone) and the usual header
-        # spellings (on_header), instructions per routed request went 86,800 -> 81,100
-        # (callgrind on bench.hotpath, compiled).
+        # The parser's methods called per request, kept bound (the transport's too, in
+        # router.edge's connection_made): the compiled build calls a bound method
+        # directly, where a call by name looks the method up each time. With the same in
+        # router.relay_connection and relay_parser, lists for deques (router.edge_serve),
+        # the lane's objects (router.relay_lane.LaneDone) and the usual header spellings
+        # (on_header), instructions per routed request went 86,800 -> 81,100 (callgrind
+        # on bench.hotpath, compiled).
         self._feed_data = self._parser.feed_data
         self._keeps_alive = self._parser.should_keep_alive
         self._method_of = self._parser.get_method

@@ -64,7 +64,7 @@ class WorkerPool:
         self._connections: set[WorkerConnection] = set()
         # Oldest first, warmest last. A list, not a deque: the compiled build appends to
         # and pops from a list directly, and calls a deque's methods by name (see
-        # router.edge_parse.ParsingConnection).
+        # router.edge_serve.ServingConnection).
         self._idle: list[WorkerConnection] = []
         self._time = loop.time  # kept bound, as the connections' transport methods
         self._waiters: deque[asyncio.Future[WorkerConnection | None]] = deque()
