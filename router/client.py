@@ -221,9 +221,18 @@ class ControlClient:
         )
 
     async def drain(self, on: bool = True) -> None:
-        """Ask for no new sessions (or, with on=False, for them again); kept across reconnects."""
-        self._draining = on
-        await self._call({"op": "drain", "on": on})
+        """Ask for no new sessions (or, with on=False, for them again); kept across reconnects.
+
+        Raises ControlError when the router did not take it (a refused hello included):
+        then the next hello's handshake repeats the state asked before, not this one.
+        """
+        previous, self._draining = self._draining, on
+        try:
+            await self._call({"op": "drain", "on": on})
+        except ControlError:
+            if self._draining is on:  # no later drain() has asked otherwise meanwhile
+                self._draining = previous
+            raise
 
     async def stop(self) -> None:
         """Say bye (best effort), close the connection and fail every pending call."""

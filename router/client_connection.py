@@ -20,7 +20,7 @@ import logging
 from router.client_protocol import MAX_LINE_BYTES, ControlAddress, decode_reply
 from router.client_requests import Request, RequestBook
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("router.client")  # one logger for the whole client, as before its split
 
 # A connect that takes longer is treated as refused and retried.
 CONNECT_TIMEOUT_S = 5.0

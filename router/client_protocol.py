@@ -28,7 +28,8 @@ Reply = dict[str, object]
 # The hello refusals no retry can change: the router's policy refuses this worker's
 # secret, uid or url (`forbidden`, until an operator changes the policy), or the
 # hello itself (`unsupported_version`, `bad_request`). Any other (`worker_busy`:
-# another live process has this worker id or url) may clear once that process goes.
+# another live process has this worker id or url, or the config names the id as a
+# static worker's) may clear once that process goes, or a reload frees the id.
 FINAL_HELLO_REFUSALS = frozenset({"forbidden", "unsupported_version", "bad_request"})
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from router.client_protocol import MAX_LINE_BYTES, Reply, encode_line
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("router.client")  # one logger for the whole client, as before its split
 
 Claim = tuple[str, str]  # (kind, key)
 Write = Callable[[bytes], None]

@@ -139,6 +139,33 @@ async def test_worker_busy_after_a_reconnect_fails_calls_until_it_clears(
     assert hellos == ["ok", *["worker_busy"] * (len(hellos) - 2), "ok"] and len(hellos) > 2
 
 
+async def test_a_drain_refused_with_the_hello_is_not_the_state_the_handshake_repeats(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = await rig.start_router()
+    client = await _started(rig, service.config.control.socket)
+    worker = service.core.workers.get("w0")
+    assert worker is not None and not worker.draining
+    monkeypatch.setattr(client_module, "RECONNECT_START_S", 0.5)
+    intruder = await RawLease.open(service.config.control.socket)
+    _drop_lease(service)
+    await _until(lambda: worker.lease is None, "the lease to drop")
+    # Another worker takes w0's url while w0 is lost: w0's next hellos are worker_busy.
+    assert (await intruder.hello("w9", worker.url, "b9"))["ok"] is True
+    await _until(lambda: client.refusal is not None, "the refusal")
+
+    with pytest.raises(ControlError) as refused:
+        await client.drain(True)  # never reaches the router: its caller is told so
+
+    assert refused.value.error == "worker_busy"
+    intruder.abort()
+    await _until(lambda: client.connected, "the client to be back")
+    await asyncio.sleep(0.2)  # the handshake's drain, had it sent one, is answered
+    assert not worker.draining  # the refused drain is not applied behind its caller's back
+    await client.drain(True)
+    assert worker.draining
+
+
 async def test_claims_racing_a_retire_are_resent_after_the_new_hello(rig: Rig) -> None:
     # The retire closes the lease's connection in the same step (it stops reading), so a
     # claim sent in that window is never answered `no_hello`: the client resends it after
