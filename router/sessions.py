@@ -277,13 +277,13 @@ class SessionReader:
 
 def _list_items(values: list[str]) -> list[str]:
     """The items of header lines that may each be a comma-separated list, stripped of
-    spaces and tabs, empty ones dropped; `values` itself when none holds a comma, or
-    when nothing but commas and spaces is there (then refused as it stands)."""
-    for value in values:
-        if "," in value:
-            items = [item.strip(" \t") for value in values for item in value.split(",")]
-            return [item for item in items if item] or values
-    return values
+    spaces and tabs, empty ones dropped (an empty line too: as it would be once joined
+    to another); `values` itself when it is one line with no comma (the common case),
+    or when nothing but commas and spaces is there (then refused as it stands)."""
+    if len(values) == 1 and "," not in values[0]:
+        return values
+    items = [item.strip(" \t") for value in values for item in value.split(",")]
+    return [item for item in items if item] or values
 
 
 def session_key(kind: SessionKind, value: str, now: float) -> str:

@@ -665,6 +665,10 @@ def test_token_values_joined_in_one_line_read_as_repeated_lines() -> None:
     for same in (f"{one}, {one}", f"{one},\t{one}", f" ,{one}, "):
         assert read(reader, header(TOKEN_HEADER, same)) == SessionRef("episode", "ep1-a0")
     assert refused(read(reader, header(TOKEN_HEADER, " , "))) == "invalid_token"
+    # An empty line reads as it would once a proxy joined it to the other: nothing.
+    lines = merge(header(TOKEN_HEADER, ""), header(TOKEN_HEADER, one))
+    assert read(reader, lines) == SessionRef("episode", "ep1-a0")
+    assert refused(read(reader, header(TOKEN_HEADER, ""))) == "invalid_token"
     # An MCP session id may hold a comma: it is one value, read as it stands.
     assert read(reader, header("Mcp-Session-Id", "m1,m2")) == SessionRef("mcp_session", "m1,m2")
 
