@@ -105,18 +105,8 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20  # a tool call's arguments are small; bounds what one request can cost
 CLAIM_TIMEOUT_S = 10.0  # a router away longer than this fails the start with 503, not a hang
 SHUTDOWN_TIMEOUT_S = 5.0  # how long in-flight requests get after SIGTERM
-# ControlError codes that say nothing of the claim itself: the client's own (the router
-# refused nothing), and a refused hello, which leaves this worker with no lease.
-LOCAL_ERRORS = frozenset(
-    {
-        "client_stopped",
-        "not_started",
-        "line_too_long",
-        "forbidden",
-        "worker_busy",
-        "unsupported_version",
-    }
-)
+# ControlError codes the client raises itself: the router refused nothing.
+LOCAL_ERRORS = frozenset({"client_stopped", "not_started", "line_too_long"})
 
 
 # --- the app ----------------------------------------------------------------------------------
@@ -155,7 +145,8 @@ class DemoWorker:
             async with asyncio.timeout(CLAIM_TIMEOUT_S):
                 await self.client.claim(key)
         except ControlError as exc:
-            if exc.error in LOCAL_ERRORS:
+            # Not connected: a refused hello (whatever its code) left this worker no lease.
+            if exc.error in LOCAL_ERRORS or not self.client.connected:
                 raise DemoError(503, "control_unavailable", f"No control lease: {exc}.") from None
             raise DemoError(409, exc.error, f"The router refused the claim: {exc}.") from None
         except (TimeoutError, asyncio.CancelledError) as exc:
