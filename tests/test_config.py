@@ -1417,6 +1417,12 @@ def test_load_config_empty_file_gives_defaults(tmp_path: Path) -> None:
             "must not contain a NUL character",
         ),
         (b'state: {path: "/var/lib/router\\0"}', "state.path", "NUL"),
+        # A secret's text, read from its file: spawned workers get it in their environment.
+        (
+            b'control: {socket: "tcp://127.0.0.1:7001", secret_file: "SECRET_WITH_NUL"}',
+            "control.secret_file",
+            "must not contain a NUL byte",
+        ),
         (b'control: {socket: "unix:/run/r\\0.sock"}', "control.socket", "NUL"),
     ],
 )
@@ -1424,7 +1430,9 @@ def test_load_config_errors_start_with_the_path(
     tmp_path: Path, content: bytes, key_path: str, reason: str
 ) -> None:
     config_file = tmp_path / "router.yaml"
-    config_file.write_bytes(content)
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(b"sixteen-bytes-at-least\0and-more")
+    config_file.write_bytes(content.replace(b"SECRET_WITH_NUL", str(secret_file).encode()))
     with pytest.raises(ConfigError) as info:
         load_config(config_file)
     assert str(info.value).startswith(f"{config_file}: {key_path}: ")

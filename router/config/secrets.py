@@ -85,6 +85,8 @@ def _secret_text(sec: _Section, base: str, *, header_safe: bool) -> tuple[str, s
         text = value.decode("utf-8")
     except UnicodeDecodeError:
         raise sec.fail(key, "the secret is not UTF-8") from None
+    if "\0" in text:  # spawned workers get it in their environment, which cannot hold one
+        raise sec.fail(key, "the secret must not contain a NUL byte")
     if header_safe and not all("!" <= c <= "~" for c in text):
         raise sec.fail(key, "the token must be visible ASCII: it travels in an HTTP header")
     return key, text
