@@ -184,8 +184,10 @@ class ControlSession:
             return error_reply(rid, *refusal)
         if self.worker is not None and self.worker.id != worker_id:
             return error_reply(rid, "forbidden", "This connection already holds another lease.")
-        existing = self.core.workers.get(worker_id)
-        worker = self.core.register(worker_id, url, self._origin(worker_id, existing), now, boot)
+        # Started by this router's `spawn:`, or adopted from its last run.
+        spawned = worker_id in self.policy.spawned_ids
+        origin = WorkerOrigin.SPAWNED if spawned else WorkerOrigin.CONTROL
+        worker = self.core.register(worker_id, url, origin, now, boot)
         self.worker = worker
         worker.lease = self
         self._sync_pending = None  # a sync left unfinished before this hello is void
@@ -227,13 +229,6 @@ class ControlSession:
         ):
             return "worker_busy", "A live worker with this id holds the lease."
         return None
-
-    def _origin(self, worker_id: str, existing: Worker | None) -> WorkerOrigin:
-        if worker_id in self.policy.spawned_ids:
-            return WorkerOrigin.SPAWNED  # started by this router, or adopted from its last run
-        if existing is not None and existing.origin is WorkerOrigin.SPAWNED:
-            return WorkerOrigin.SPAWNED
-        return WorkerOrigin.CONTROL
 
     # -- claims --------------------------------------------------------------
 

@@ -316,7 +316,7 @@ class RouterService:
         if self.spawner is None:
             return None
         pid = self.spawner.pid(worker_id)
-        if pid is None and any(w.worker_id == worker_id for w in self.spawner.workers):
+        if pid is None and worker_id in self.control.policy.spawned_ids:
             pid = self._lease_pid(worker_id)  # adopted: no process object of ours
         return pid
 
