@@ -22,6 +22,8 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY router ./router
+# The benchmark trains the profile-guided build of the hot path (setup.py).
+COPY bench ./bench
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE}

@@ -19,6 +19,7 @@ import sys
 import sysconfig
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,17 +29,19 @@ ROOT = Path(__file__).resolve().parents[1]
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
 
 
-def compiled_modules() -> list[str]:
-    """The module names setup.py compiles (its COMPILED_MODULES, read without running it)."""
+def setup_constant(name: str) -> Any:
+    """A constant of setup.py, read without running it."""
     tree = ast.parse((ROOT / "setup.py").read_text())
     for node in tree.body:
-        if (
-            isinstance(node, ast.Assign)
-            and getattr(node.targets[0], "id", "") == "COMPILED_MODULES"
-        ):
-            paths = ast.literal_eval(node.value)
-            return [path.removesuffix(".py").replace("/", ".") for path in paths]
-    raise AssertionError("setup.py has no COMPILED_MODULES")
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == name:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"setup.py has no {name}")
+
+
+def compiled_modules() -> list[str]:
+    """The module names setup.py compiles (its COMPILED_MODULES)."""
+    paths = setup_constant("COMPILED_MODULES")
+    return [path.removesuffix(".py").replace("/", ".") for path in paths]
 
 
 def can_compile() -> bool:
@@ -107,3 +110,20 @@ def test_only_a_source_checkout_is_judged(tmp_path: Path) -> None:
     (package / "mod.py").write_text("")
     os.utime(package / f"mod{SUFFIX}", (1_000_000_000, 1_000_000_000))
     assert stale_extensions(package) == []  # no setup.py beside it: an installed wheel
+
+
+@pytest.mark.parametrize("arguments", setup_constant("TRAINING_RUNS"))
+def test_the_profile_guided_builds_training_runs_are_ones_the_benchmark_takes(
+    arguments: list[str],
+) -> None:
+    # setup.py trains its profile-guided build with these; a run that fails leaves the
+    # plain build, with a line in the install's output that nobody reads.
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.hotpath", "--runs", "1", "--requests", "200", *arguments],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "(200 requests," in result.stdout

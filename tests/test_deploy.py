@@ -165,7 +165,7 @@ def test_the_dockerignore_admits_exactly_what_the_dockerfile_copies() -> None:
     admitted = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
     instructions = dockerfile_instructions((ROOT / "Dockerfile").read_text())
     copied = {src for k, rest in instructions if k == "COPY" for src in rest.split()[:-1]}
-    assert copied == admitted == {"pyproject.toml", "setup.py", "README.md", "router"}
+    assert copied == admitted == {"pyproject.toml", "setup.py", "README.md", "router", "bench"}
     for name in admitted:
         assert (ROOT / name).exists(), name
 
