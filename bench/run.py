@@ -107,8 +107,9 @@ class Settings:
     work_us: float = 400.0  # the busy workers' spin per request; 0: no worker-bound run
     # Rounds of serial latency and proxy-bound load: every proxy once a round, rounds one
     # after another; serial latency, CPU per request and rps are the medians (one shared VM
-    # moves a single run by ±15% or more, a serial p50's added part by far more).
-    rounds: int = 3
+    # moves a single run by ±15% or more, a serial p50's added part by far more: nginx's
+    # own moved from 63 to 112 us between two runs, so the median is of five).
+    rounds: int = 5
     bound_s: float = 5.0  # the worker-bound run's length
     serial_requests: int = 5000
     serial_warmup: int = 500
@@ -624,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="serial and proxy-bound load runs per proxy, interleaved; serial latency, CPU "
-        "and rps are their medians (default 3, 1 with --quick)",
+        "and rps are their medians (default 5, 1 with --quick)",
     )
     parser.add_argument(
         "--work-us",

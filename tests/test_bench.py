@@ -319,7 +319,7 @@ def _figures(
 
 
 def test_rounds_option_sets_the_interleaved_load_runs() -> None:
-    assert (Settings().rounds, Settings.quick().rounds) == (3, 1)
+    assert (Settings().rounds, Settings.quick().rounds) == (5, 1)
     assert settings_from_args(build_parser().parse_args(["--rounds", "5"])).rounds == 5
     assert settings_from_args(build_parser().parse_args(["--quick", "--rounds", "2"])).rounds == 2
     with pytest.raises(ValueError, match="--rounds must be at least 1"):
