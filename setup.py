@@ -29,6 +29,7 @@ time); a failed training run falls back to the plain build, and says so.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -110,7 +111,9 @@ PROFILE_GENERATE = ["-fprofile-generate"]
 # Code the training run never reached stays optimised as without a profile (partial
 # training): a chunked upload or a 410 is not made slower for being rare here.
 PROFILE_USE = ["-fprofile-use", "-fprofile-partial-training", "-fprofile-correction"]
-PROFILE_USE += ["-Wno-missing-profile"]  # mypyc builds with -Werror
+# mypyc builds with -Werror; the profile's inlining can raise warnings of its own, and
+# a failed compile here would only fall back to the plain build.
+PROFILE_USE += ["-Wno-missing-profile", "-Wno-error"]
 # The training run: the forwarding path at one connection and at sixteen.
 TRAINING_RUNS = [["--connections", "1"], ["--connections", "16"]]
 TRAINING_TIMEOUT_S = 300
@@ -149,7 +152,7 @@ class BuildAllOrNone(build_ext):
             guided = False
             self._drop_flags(PROFILE_USE)
             self._build()
-        built = [self.get_ext_fullpath(extension.name) for extension in self.extensions]
+        built = self._outputs()
         missing = self._missing()
         self.inplace = inplace
         if missing:
@@ -169,13 +172,21 @@ class BuildAllOrNone(build_ext):
         # setuptools' own run(): distutils builds into the build directory, and an
         # in-place build then copies the results beside the sources. It replaces the
         # compiler's name with the compiler it makes: a second build needs the name.
+        # The outputs of a build before go first: distutils would skip an extension it
+        # finds up to date (the instrumented build then never made), and it keeps the
+        # old file where an optional extension fails (a failure then never seen).
+        for path in self._outputs():
+            if os.path.exists(path):
+                os.remove(path)
         compiler = self.compiler
         super(build_ext, self).run()
         self.compiler = compiler
 
+    def _outputs(self) -> list[str]:
+        return [self.get_ext_fullpath(extension.name) for extension in self.extensions]
+
     def _missing(self) -> list[str]:
-        built = [self.get_ext_fullpath(extension.name) for extension in self.extensions]
-        return [path for path in built if not os.path.exists(path)]
+        return [path for path in self._outputs() if not os.path.exists(path)]
 
     def _add_flags(self, compile_flags: list[str], link_flags: list[str]) -> None:
         for extension in self.extensions:
@@ -198,13 +209,18 @@ class BuildAllOrNone(build_ext):
         if not (SOURCES / "bench" / "hotpath.py").is_file():
             _say("plain build: no bench/ to train a profile-guided one with")
             return False
+        # The compiler's own macros: clang defines __GNUC__ too, and a wrapper (ccache)
+        # answers --version for itself.
         try:
-            version = subprocess.run(
-                [_compiler(), "--version"], capture_output=True, text=True, timeout=30
+            macros = subprocess.run(
+                [*_compiler(), "-dM", "-E", "-x", "c", os.devnull],
+                capture_output=True,
+                text=True,
+                timeout=30,
             ).stdout
         except (OSError, subprocess.SubprocessError):
-            version = ""
-        if "Free Software Foundation" not in version:
+            macros = ""
+        if "__GNUC__" not in macros or "__clang__" in macros:
             _say("plain build: the profile-guided one needs gcc")
             return False
         return True
@@ -247,18 +263,20 @@ class BuildAllOrNone(build_ext):
                     _say(f"plain build: the profile-guided training failed ({exc!r})")
                     return False
                 if result.returncode != 0:
-                    tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
+                    tail = (result.stdout + result.stderr).strip().splitlines()[-5:]
                     _say("plain build: the profile-guided training failed:")
                     for line in tail:
                         print(f"  {line}", file=sys.stderr)
                     return False
-        return any(temp.rglob("*.gcda"))
+        if not any(temp.rglob("*.gcda")):
+            _say("plain build: the profile-guided training counted nothing")
+            return False
+        return True
 
 
-def _compiler() -> str:
+def _compiler() -> list[str]:
     """The C compiler distutils will call (CC, else the one Python was built with)."""
-    compiler = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-    return compiler.split()[0]
+    return shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
 
 
 setup(ext_modules=compiled_extensions(), cmdclass={"build_ext": BuildAllOrNone})
