@@ -22,8 +22,9 @@ arrives after a wait finds little of it in the CPU's caches: one request at a ti
 the router's user CPU per request went from 44.5 to 37.3 us and its added latency
 (p50) from 118.5 to 102.9 us (medians of 16 interleaved serial runs of both builds,
 `bench.run`'s serial measurement); under load, from 20.2-20.3 to 18.8-19.0 us
-(`bench.hotpath`). EPISODE_ROUTER_PGO=0 skips it (the build then takes half the
-time); a failed training run falls back to the plain build, and says so.
+(`bench.hotpath`). EPISODE_ROUTER_PGO=0 skips it (an install then takes about a
+minute less); any step that fails (the instrumented compile, the training run, the
+compile with the profile) falls back to the plain build, and says so.
 """
 
 from __future__ import annotations
@@ -226,7 +227,7 @@ class BuildAllOrNone(build_ext):
         return True
 
     def _train(self) -> bool:
-        """Runs the instrumented build's training; True when it finished."""
+        """Runs the instrumented build's training; True when it ran and counted."""
         temp = Path(self.build_temp)
         for stale in temp.rglob("*.gcda"):  # counts from an earlier build would merge in
             stale.unlink()
