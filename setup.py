@@ -158,7 +158,7 @@ class BuildAllOrNone(build_ext):
         self.inplace = inplace
         if missing:
             # An editable install's copies from an earlier build go too.
-            beside_sources = [self.get_ext_fullpath(ext.name) for ext in self.extensions]
+            beside_sources = self._outputs()  # inplace again: the paths beside them
             for path in built + (beside_sources if inplace else []):
                 if os.path.exists(path):
                     os.remove(path)
@@ -236,15 +236,14 @@ class BuildAllOrNone(build_ext):
             skip = shutil.ignore_patterns("*.so", "*.pyd", "__pycache__")
             for package in ("router", "bench"):
                 shutil.copytree(SOURCES / package, tree / package, ignore=skip)
-            for extension in self.extensions:
-                path = self.get_ext_fullpath(extension.name)
+            for path in self._outputs():
                 target = tree / os.path.relpath(path, self.build_lib)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(path, target)
             # Ahead of the build's own path (pip's isolated build finds its packages
             # through it), so the training imports the extensions just built.
-            path = os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))
-            env = {**os.environ, "PYTHONPATH": path}
+            search = os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))
+            env = {**os.environ, "PYTHONPATH": search}
             check = "from router.build import compiled; assert compiled(), 'not compiled'"
             commands = [[sys.executable, "-c", check]] + [
                 [sys.executable, "-m", "bench.hotpath", "--runs", "1", *arguments]
