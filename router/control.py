@@ -21,14 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.boot import valid_boot
-from router.control_codec import (
-    MAX_KEY_CHARS,
-    Reply,
-    encode,
-    error_reply,
-    is_loopback_url,
-    valid_upstream_url,
-)
+from router.config import UpstreamAddress, is_loopback_upstream, parse_upstream, same_upstream
+from router.control_codec import MAX_KEY_CHARS, Reply, encode, error_reply
 from router.control_refusals import (
     SYNC_MAX_PENDING,
     SyncRefusals,
@@ -171,15 +165,19 @@ class ControlSession:
         worker_id, url, boot = request.get("worker"), request.get("url"), request.get("boot")
         if not isinstance(worker_id, str) or not _WORKER_ID.fullmatch(worker_id):
             return error_reply(rid, "bad_request", "`worker` must be 1-64 of [A-Za-z0-9._:-].")
-        if not isinstance(url, str) or not valid_upstream_url(url):
-            return error_reply(rid, "bad_request", "`url` must be http://host:port or unix:/path.")
-        if url.startswith("http:"):
-            url = url.rstrip("/")  # one spelling per address, for the uniqueness check
+        if isinstance(url, str) and url.startswith("http:"):
+            url = url.rstrip("/")  # as a base URL is often written; the config's has none
+        address = parse_upstream(url) if isinstance(url, str) else "it is not a string"
+        if isinstance(address, str):
+            return error_reply(
+                rid, "bad_request", f"`url` must be http://host:port or unix:/path: {address}."
+            )
+        assert isinstance(url, str)
         if not isinstance(boot, str) or not valid_boot(boot):
             return error_reply(
                 rid, "bad_request", "`boot` must be 1-128 visible ASCII characters, no spaces."
             )
-        refusal = self._hello_refusal(request, worker_id, url, boot)
+        refusal = self._hello_refusal(request, worker_id, address, boot)
         if refusal is not None:
             return error_reply(rid, *refusal)
         if self.worker is not None and self.worker.id != worker_id:
@@ -194,7 +192,7 @@ class ControlSession:
         return {"id": rid, "ok": True, "router": self.policy.router_boot}
 
     def _hello_refusal(
-        self, request: dict[str, Any], worker_id: str, url: str, boot: str
+        self, request: dict[str, Any], worker_id: str, address: UpstreamAddress, boot: str
     ) -> tuple[str, str] | None:
         policy = self.policy
         if self.peer.tcp:
@@ -209,11 +207,15 @@ class ControlSession:
             policy.allowed_uids | {policy.own_uid}
         ):
             return "forbidden", "This uid may not register workers."
-        if not is_loopback_url(url) and url not in policy.allowed_upstreams:
+        if not is_loopback_upstream(address) and not any(
+            parse_upstream(allowed) == address for allowed in policy.allowed_upstreams
+        ):
             return "forbidden", "The url is not loopback and not in control.allowed_upstreams."
-        # Every worker with this url, not just the first: a lost one may share it with a live one.
+        # Every worker at this address, not just the first: a lost one may share it with a
+        # live one. Compared as addresses, not text: `localhost` and 127.0.0.1, or a port
+        # written with a leading zero, must not let a worker take another's traffic.
         for holder in self.core.workers:
-            if holder.url == url and holder.id != worker_id and holder.state is WorkerState.LIVE:
+            if holder.id != worker_id and holder.state is WorkerState.LIVE and _at(holder, address):
                 return "worker_busy", f"Another live worker ({holder.id}) has this url."
         existing = self.core.workers.get(worker_id)
         if existing is not None and existing.origin is WorkerOrigin.STATIC:
@@ -225,7 +227,7 @@ class ControlSession:
         if (
             existing is not None
             and existing.state is WorkerState.LIVE
-            and (existing.boot != boot or existing.url != url)
+            and (existing.boot != boot or parse_upstream(existing.url) != address)
         ):
             return "worker_busy", "A live worker with this id holds the lease."
         return None
@@ -326,3 +328,9 @@ class ControlSession:
         "bye": _bye,
         "ping": _ping,
     }
+
+
+def _at(worker: Worker, address: UpstreamAddress) -> bool:
+    """True when `worker`'s url may name the socket `address` names."""
+    own = parse_upstream(worker.url)  # checked when registered; a journal's is trusted less
+    return not isinstance(own, str) and same_upstream(own, address)

@@ -1,10 +1,9 @@
-"""The control protocol's line codec and address checks (DESIGN §3).
+"""The control protocol's line codec (DESIGN §3).
 
 This module owns what one line of the control socket is: `decode_line` turns one
 NDJSON line into a request or an error reply, `encode` writes one reply line, and
 `error_reply` builds the reply every refusal shares; with them the protocol's limits
-(a line's bytes, a key's characters) and the checks on the url a hello carries
-(`valid_upstream_url`, `is_loopback_url`). It is pure: no socket, no clock, no
+(a line's bytes, a key's characters). It is pure: no socket, no clock, no
 session state, and it never decides what a request does (`router.control` does).
 
 Malformed input is answered, never raised: `decode_line` returns the error reply.
@@ -12,10 +11,8 @@ Malformed input is answered, never raised: `decode_line` returns the error reply
 
 from __future__ import annotations
 
-import ipaddress
 import json
 from typing import Any
-from urllib.parse import urlsplit
 
 __all__ = [
     "MAX_KEY_CHARS",
@@ -25,8 +22,6 @@ __all__ = [
     "encode",
     "encoded_size",
     "error_reply",
-    "is_loopback_url",
-    "valid_upstream_url",
 ]
 
 MAX_LINE_BYTES = 1 << 20  # DESIGN §3: a line over 1 MiB closes the connection
@@ -77,38 +72,3 @@ def decode_line(line: bytes) -> dict[str, Any] | Reply:
     if not isinstance(message.get("op"), str):
         return error_reply(request_id, "bad_request", "`op` must be a string.")
     return message
-
-
-def is_loopback_url(url: str) -> bool:
-    """True for `unix:` paths and http URLs on a loopback address."""
-    if url.startswith("unix:"):
-        return True
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def valid_upstream_url(url: str) -> bool:
-    """`http://host:port` or `unix:/path`, nothing else."""
-    if url.startswith("unix:"):
-        return url.startswith("unix:/") and "\x00" not in url  # absolute: cwds differ
-    if not url.isascii() or not url.isprintable() or " " in url:
-        return False  # urlsplit silently drops tabs and newlines; the url must be taken as is
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        return False
-    return (
-        parts.scheme == "http"
-        and bool(parts.hostname)
-        and bool(port)  # None or 0: nothing to connect to
-        and parts.path in ("", "/")
-        and not parts.query
-        and not parts.fragment
-        and parts.username is None
-    )

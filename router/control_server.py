@@ -109,6 +109,14 @@ class ControlServer:
     def connection_count(self) -> int:
         return len(self.connections)
 
+    def set_policy(self, policy: ControlPolicy) -> None:
+        """Who may say hello from now on: on new connections, and on open ones that
+        have not said it yet or say it again (a lease already held stays)."""
+        self.policy = policy
+        for connection in self.connections:
+            if connection.session is not None:
+                connection.session.policy = policy
+
     async def start(self, address: str) -> None:
         """Listen on `unix:/path` or `tcp://host:port` and serve."""
         self.bind(address)

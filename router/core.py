@@ -270,7 +270,8 @@ class RouterCore:
         worker.lost_since = None
         count = self.claims.worker_exited(worker.id, now)
         self.journal.exited(worker.id)
-        self.on_retire(worker)
+        self.on_retire(worker)  # closes its lease's connection, found by `worker.lease`
+        worker.lease = None  # void: the connection's close must not touch a next generation
         self._forget_long_exited(worker)
         return count
 

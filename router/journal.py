@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from router.claims import Claim, ClaimState
+from router.config import parse_upstream
 from router.core import RouterCore
 from router.workers import Worker, WorkerOrigin, WorkerState
 
@@ -271,9 +272,10 @@ def _apply(core: RouterCore, record: dict[str, Any], at: float) -> None:
     op = record["op"]
     claims = core.claims
     if op == "worker":
-        core.register(
-            str(record["id"]), str(record["url"]), WorkerOrigin.JOURNAL, at, record["boot"]
-        )
+        url = str(record["url"])
+        if isinstance(parse_upstream(url), str):  # as a hello's (an older router's journal)
+            raise ValueError(f"not an upstream url: {url!r}")
+        core.register(str(record["id"]), url, WorkerOrigin.JOURNAL, at, record["boot"])
     elif op == "drain":
         worker = core.workers.get(str(record["id"]))
         if worker is not None:

@@ -342,7 +342,7 @@ class RouterService:
         self.handler.max_body_bytes = target.limits.max_body_bytes
         self.handler.access_log = target.log.access
         self.forwarder.max_body_bytes = target.limits.max_body_bytes
-        self.control.policy = control_policy(target, self.boot)
+        self.control.set_policy(control_policy(target, self.boot))
         self.forwarder.set_timeouts(forward_timeouts(target))
         if self._edge is not None:
             self._edge.set_limits(edge_limits(target))

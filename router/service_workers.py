@@ -55,7 +55,9 @@ def sync_static_workers(
 ) -> None:
     """The registry's static workers become `workers`: a removed one leaves the
     registry, a moved one is retired (its sessions end) and registered at its new
-    URL, a new or exited one is registered; the prober runs if any is left."""
+    URL, a new or exited one is registered, and so is one whose id a worker that
+    said hello has (that worker is retired: its sessions end, its lease closes);
+    the prober runs if any is left."""
     wanted = {static.id: static.url for static in workers}
     for worker in core.workers:
         if worker.origin is not WorkerOrigin.STATIC:
@@ -67,7 +69,12 @@ def sync_static_workers(
             core.retire(worker, now)  # moved: its sessions end
     for worker_id, url in wanted.items():
         known = core.workers.get(worker_id)
-        if known is None or known.state is WorkerState.EXITED or known.url != url:
+        if (
+            known is None
+            or known.state is WorkerState.EXITED
+            or known.url != url
+            or known.origin is not WorkerOrigin.STATIC
+        ):
             core.register(worker_id, url, WorkerOrigin.STATIC, now)
     if wanted:
         prober.start()

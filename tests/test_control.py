@@ -202,6 +202,8 @@ BAD_HELLOS: list[tuple[str, object]] = [
     ("url", "unix:"),
     ("url", "unix:w0.sock"),
     ("url", "http://127.0.0.1:0"),
+    ("url", "unix:/tmp/w\ud800.sock"),  # valid JSON text ("\ud800"), but no path to connect to
+    ("url", "unix:/" + "w" * 107),  # longer than a unix socket's path can be
     ("boot", None),
     ("boot", ""),
     ("boot", "b" * 129),
@@ -348,7 +350,7 @@ def test_a_url_off_this_host_must_be_an_allowed_upstream() -> None:
             (Send("a", hello(1, "w0", url="http://10.0.0.6:9001")), err(1, "forbidden")),
             (Send("a", hello(2, "w0", url="http://worker.internal:9001")), err(2, "forbidden")),
             (
-                Send("a", hello(3, "w0", url="http://10.0.0.5:9001")),
+                Send("a", hello(3, "w0", url="http://10.0.0.5:09001/")),  # the same address
                 ok(3, **ROUTER),
                 {W("w0"): "live @a"},
             ),
@@ -398,10 +400,31 @@ def test_a_static_workers_id_is_worker_busy_live_or_exited() -> None:
     )
 
 
+def test_a_retired_workers_lease_is_void_when_its_connection_closes() -> None:
+    # A reload made w0's id static (at its own url): the control worker is retired, and
+    # its connection's close, which follows, must not mark the static worker lost.
+    with_w0().run(
+        [
+            (
+                Register("w0", U0, WorkerOrigin.STATIC),
+                None,
+                {W("w0"): "live static g1", C("ep1"): "exited w0", R("w0"): 1},
+            ),
+            (Route("ep1"), Ans("worker_exited", "ep1")),
+            (Close("a"), None),
+            (Send("a", claim(3, "ep2")), err(3, "no_hello")),
+        ]
+    )
+
+
 def test_a_url_held_by_another_live_worker_is_worker_busy() -> None:
+    port = U0.rsplit(":", 1)[1]
     with_w0().run(
         [
             (Send("b", hello(1, "w1", url=U0)), err(1, "worker_busy")),
+            # Another spelling of the same address is the same address.
+            (Send("b", hello(1, "w1", url=f"http://localhost:{port}")), err(1, "worker_busy")),
+            (Send("b", hello(1, "w1", url=f"http://127.0.0.1:0{port}")), err(1, "worker_busy")),
             (Close("a"), "w0", {W("w0"): "lost"}),
             # Lost is not live: a new process may have this port now.
             (Send("b", hello(2, "w1", url=U0)), ok(2, **ROUTER), {W("w1"): "live @b"}),

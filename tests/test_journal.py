@@ -240,8 +240,10 @@ def test_a_torn_or_foreign_line_is_skipped_and_counted(tmp_path: Path) -> None:
         file.write(b'{"op":"claim","kind":"episode","key":"tor')  # a write cut short
 
     replayed = RouterCore(SETTINGS, 0.0)
-    lines = [*path.read_bytes().splitlines(), b'{"op":"format-c:"}', b"[]"]
-    assert replay(replayed, lines, 0.0, WALL0) == 3
+    # A worker whose url no hello may give (a lone surrogate: no path to connect to).
+    no_path = b'{"op":"worker","id":"w9","url":"unix:/tmp/w\\ud800.sock","boot":"b9"}'
+    lines = [*path.read_bytes().splitlines(), b'{"op":"format-c:"}', b"[]", no_path]
+    assert replay(replayed, lines, 0.0, WALL0) == 4
     assert state(replayed) == state(core)
 
 

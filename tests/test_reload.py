@@ -38,6 +38,7 @@ from router.config import (
     parse_config,
 )
 from router.reload import effective_config, plan_reload
+from router.workers import WorkerOrigin, WorkerState
 
 # --- pure -----------------------------------------------------------------------------------
 
@@ -318,6 +319,33 @@ async def test_a_static_worker_removed_by_a_reload_is_not_probed_back_to_life(
         assert (await rig.request("POST", "/seed")).worker == "s0"
 
 
+@pytest.mark.parametrize("same_url", [True, False])
+async def test_a_reload_that_makes_a_live_workers_id_static_retires_the_one_that_said_hello(
+    rig: Rig, tmp_path: Path, same_url: bool
+) -> None:
+    path = await start_from_file(rig, tmp_path)
+    worker = await rig.add_worker("w0")
+    await worker.claim("ep-a0")
+    static = worker if same_url else EchoWorker("w0", "unix:/nonexistent")
+    if not same_url:
+        await static.serve()
+        rig.stack.push_async_callback(static.close_http)
+    write_config(path, tmp_path, extra=f"workers: [{{id: w0, url: '{static.url}'}}]")
+
+    reply = await rig.admin("POST", "/admin/reload")
+
+    assert reply.json()["applied"] == ["workers"], reply.json()
+    w0 = rig.router.core.workers.get("w0")
+    assert w0 is not None and (w0.origin, w0.state) == (WorkerOrigin.STATIC, WorkerState.LIVE)
+    (await rig.request("GET", "/", episode=token("ep"))).assert_answer(
+        410, "worker_exited", "ep-a0"
+    )
+    await asyncio.sleep(0.3)  # the retired lease's connection closes meanwhile
+    assert (w0.state, w0.lease) == (WorkerState.LIVE, None)  # not lost with it
+    reply = await rig.request("POST", "/seed")
+    assert (reply.status, reply.worker) == (200, "w0")
+
+
 def _async(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
     async def run() -> bool:
         return check()
@@ -357,6 +385,34 @@ async def test_a_reload_that_moves_the_control_socket_keeps_the_running_secret_u
     finally:
         lease.abort()
     assert hello["ok"] is True, hello
+
+
+async def test_a_reloaded_control_policy_holds_for_connections_opened_before_it(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """A hello is a request: a connection open since before the reload says it under
+    the new policy, not the one its connection began with."""
+    path = tmp_path / "router.yaml"
+    write_config(path, tmp_path)
+    narrow = path.read_text()
+    control = f'control: {{socket: "unix:{tmp_path}/c.sock"'
+    path.write_text(
+        narrow.replace(control, control + ', allowed_upstreams: ["http://10.0.0.5:80"]')
+    )
+    service = await rig.start_router(load_config(path))
+    service.config_path = str(path)
+    assert service.config.control.allowed_upstreams == ("http://10.0.0.5:80",)
+    opened_before = await RawLease.open(service.config.control.socket)
+    rig.stack.callback(opened_before.abort)
+    path.write_text(narrow)  # no allowed upstreams
+
+    reply = await rig.admin("POST", "/admin/reload")
+
+    assert reply.json()["applied"] == ["control.allowed_upstreams"], reply.json()
+    hello = await opened_before.hello("wx", "http://10.0.0.5:80", "boot-1")
+    assert (hello["ok"], hello["error"]) == (False, "forbidden"), hello
+    assert service.core.workers.get("wx") is None
+    assert (await opened_before.hello("wx", "http://127.0.0.1:1", "boot-1"))["ok"] is True
 
 
 # A spawned worker that records its pid and the secret it was given, then sleeps.

@@ -12,6 +12,7 @@ the text alone.
 from __future__ import annotations
 
 import ipaddress
+import posixpath
 import re
 from typing import TYPE_CHECKING, Final, NamedTuple
 
@@ -73,19 +74,66 @@ def _split_host_port(text: str) -> tuple[str, int] | None:
 def _unix_path_problem(path: str) -> str | None:
     if not path or "\0" in path:
         return "a unix: socket needs a path"
-    if len(path.encode("utf-8", "surrogateescape")) > _MAX_SUN_PATH:
+    try:
+        size = len(path.encode("utf-8"))  # as the event loop encodes it to connect or bind
+    except UnicodeEncodeError:
+        return "a unix socket path must be valid UTF-8"
+    if size > _MAX_SUN_PATH:
         return f"unix socket path longer than {_MAX_SUN_PATH} bytes"
     return None
 
 
-def _upstream_problem(url: str) -> str | None:
-    """Why `url` is not "http://host:port" or "unix:/absolute/path", or None."""
+class UpstreamAddress(NamedTuple):
+    """Where an upstream url points, spelled one way: a unix socket's normalised
+    path, or a host (a name lower-cased, an IP in its compressed form) and a port."""
+
+    path: str  # "" for http
+    host: str  # "" for unix
+    port: int  # 0 for unix
+
+
+def parse_upstream(url: str) -> UpstreamAddress | str:
+    """The address `url` names ("http://host:port" or "unix:/absolute/path"), or why
+    it names none. The config's upstreams and a
+    worker's hello are read by this one function, so neither takes a url the other
+    refuses."""
     expected = f"expected http://host:port or unix:/absolute/path, got {_quote(url)}"
     if url.startswith(_UNIX):
         path = url[len(_UNIX) :]
-        return expected if not path.startswith("/") else _unix_path_problem(path)
+        if not path.startswith("/"):
+            return expected  # relative to whose working directory?
+        problem = _unix_path_problem(path)
+        return problem if problem is not None else UpstreamAddress(posixpath.normpath(path), "", 0)
     address = _split_host_port(url[len(_HTTP) :]) if url.startswith(_HTTP) else None
-    return expected if address is None or not 1 <= address[1] <= 65535 else None
+    if address is None or not 1 <= address[1] <= 65535:
+        return expected
+    host, port = address
+    host = str(ipaddress.ip_address(host)) if _is_ip(host) else host.lower()
+    return UpstreamAddress("", host, port)
+
+
+def same_upstream(a: UpstreamAddress, b: UpstreamAddress) -> bool:
+    """True when `a` and `b` may be one socket: the same address, or `localhost` and a
+    loopback address it commonly names, on one port. Names are never resolved."""
+    if a == b:
+        return True
+    if a.path or b.path or a.port != b.port:
+        return False
+    return _hosts_clash(a.host, b.host, wildcard_clashes_any=False) or _hosts_clash(
+        b.host, a.host, wildcard_clashes_any=False
+    )
+
+
+def is_loopback_upstream(address: UpstreamAddress) -> bool:
+    """True for a unix socket or a loopback host: a worker may say hello with it
+    without `control.allowed_upstreams` listing it."""
+    return bool(address.path) or is_loopback_host(address.host)
+
+
+def _upstream_problem(url: str) -> str | None:
+    """Why `url` is not "http://host:port" or "unix:/absolute/path", or None."""
+    parsed = parse_upstream(url)
+    return parsed if isinstance(parsed, str) else None
 
 
 def _control_socket_problem(spec: str) -> str | None:
