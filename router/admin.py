@@ -113,7 +113,9 @@ async def _session(request: web.Request) -> web.Response:
     kind, key = request.match_info["kind"], request.match_info["key"]
     claim = core.session_info(kind, key)
     if claim is None:
-        return web.json_response({"error": "unknown_session", "kind": kind, "key": key}, status=404)
+        detail = "The router holds no claim and remembers no end for this session."
+        body = {"error": "unknown_session", "detail": detail, "kind": kind, "key": key}
+        return web.json_response(body, status=404)
     age = time.monotonic() - claim.since
     return web.json_response(
         {
@@ -147,7 +149,8 @@ async def _set_drain(request: web.Request, on: bool) -> web.Response:
     core = service.core
     worker = core.workers.get(request.match_info["id"])
     if worker is None:
-        return web.json_response({"error": "unknown_worker"}, status=404)
+        detail = "No worker with this id is known (or it exited long ago)."
+        return web.json_response({"error": "unknown_worker", "detail": detail}, status=404)
     core.set_draining(worker, on)
     view = worker_view(worker, core.claims.held_count(worker.id), service.worker_pid(worker.id))
     return web.json_response({"ok": True, "worker": view})

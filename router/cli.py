@@ -63,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--workers", type=int, default=4, help="demo worker processes (default 4)")
     demo.add_argument("--port", type=int, default=8080, help="public port (default 8080)")
     demo.add_argument("--admin-port", type=int, default=9901, help="admin port (default 9901)")
-    demo.add_argument("--base-port", type=int, default=19001, help="first worker port")
+    demo.add_argument(
+        "--base-port", type=int, default=19001, help="first worker port (default 19001)"
+    )
     status = sub.add_parser("status", help="workers and claims, from the admin API")
     status.add_argument("--admin", default="http://127.0.0.1:9901", help="admin base URL")
     status.add_argument("--json", action="store_true", help="print JSON")
@@ -78,7 +80,12 @@ def _parser() -> argparse.ArgumentParser:
     mint.add_argument("--ep", required=True)
     mint.add_argument("--att", type=int, default=0)
     mint.add_argument("--nonce", default=None, help="default: random")
-    mint.add_argument("--secret-env", default="EPISODE_TOKEN_SECRET")
+    mint.add_argument(
+        "--secret-env",
+        default="EPISODE_TOKEN_SECRET",
+        help="variable holding the HS256 key (default EPISODE_TOKEN_SECRET; unset: a random "
+        "key, for a token whose signature nothing checks)",
+    )
     mint.add_argument("--ttl", type=int, default=None, help="seconds until it expires")
     return parser
 
@@ -150,10 +157,11 @@ def demo_config(workers: int, port: int, admin_port: int, base_port: int, socket
 
 
 def _demo(args: argparse.Namespace) -> int:
-    folder = tempfile.mkdtemp(prefix="episode-router-demo-")
-    socket = os.path.join(folder, "control.sock")
-    config = demo_config(args.workers, args.port, args.admin_port, args.base_port, socket)
-    return serve(config, banner=demo_banner(args.port, args.admin_port, args.workers))
+    # The folder holds only the control socket, which the router removes as it stops.
+    with tempfile.TemporaryDirectory(prefix="episode-router-demo-") as folder:
+        socket = os.path.join(folder, "control.sock")
+        config = demo_config(args.workers, args.port, args.admin_port, args.base_port, socket)
+        return serve(config, banner=demo_banner(args.port, args.admin_port, args.workers))
 
 
 def demo_banner(port: int, admin_port: int, workers: int) -> str:
@@ -220,6 +228,12 @@ def format_status(workers: list[dict[str, object]]) -> str:
 
 def _token(args: argparse.Namespace) -> int:
     secret = os.environ.get(args.secret_env)
+    if not secret:
+        print(
+            f"episode-router: {args.secret_env} is not set: signed with a random key, so "
+            "a router or worker that verifies signatures refuses this token",
+            file=sys.stderr,
+        )
     key = SigningKey.hs256(secret.encode()) if secret else SigningKey.generate("HS256")
     now = int(time.time())
     exp = now + args.ttl if args.ttl else None

@@ -316,7 +316,15 @@ async def serve_demo_worker(
             ControlClient(control, worker_id=worker_id, url=url, secret=secret) if control else None
         )
         app = build_demo_app(worker_id=worker_id, client=client, signing_key=key, claim=claim)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        # Whatever the router's default limits let through (a header line up to 16 KiB),
+        # the demo takes too: aiohttp's own defaults (8,190 bytes) are lower.
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+            max_line_size=16384,
+            max_field_size=16384,
+        )
         await runner.setup()
         try:
             await web.SockSite(runner, sock).start()

@@ -45,6 +45,16 @@ def test_token_mint_signs_with_the_secret_from_the_environment(
     assert (parsed.key, parsed.exp is not None) == ("ep7-a2", True)
 
 
+def test_token_mint_without_a_secret_says_its_key_is_random(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("EPISODE_TOKEN_SECRET", raising=False)
+    assert main(["token", "mint", "--ep", "ep7"]) == 0
+    captured = capsys.readouterr()
+    assert parse_token(captured.out.strip(), now=time.time()).key == "ep7-a0"  # unverified
+    assert "EPISODE_TOKEN_SECRET is not set: signed with a random key" in captured.err
+
+
 def test_token_mint_refuses_a_bad_episode_id(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["token", "mint", "--ep", "bad id"]) == 2
     assert capsys.readouterr().err.startswith("episode-router: ")
