@@ -147,6 +147,9 @@ class EdgeConnection(ParsingConnection):
         self._stopped = True
         self._server.forget(self)
         self._set_deadline(None, 0)
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         receiving = self._receiving
         if receiving is not None and receiving.body is not None:
             receiving.body.fail("the client went away mid-body", malformed=False)

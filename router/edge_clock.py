@@ -55,7 +55,7 @@ class EdgeLimits:
     header_timeout_s: float = 10.0
     idle_timeout_s: float = 75.0
     max_line_bytes: int = 8190
-    max_header_bytes: int = 8190
+    max_header_bytes: int = 16384  # as the config's default (LimitsConfig)
     max_headers: int = 100
     body_timeout_s: float = 60.0
 
@@ -77,10 +77,12 @@ class ClockedConnection(asyncio.Protocol):
         "_pipeline_full",
         "_reading_paused",
         "_receiving",
+        "_send_timer",
         "_stopped",
         "_time",
         "_timer",
         "_timer_when",
+        "_write_paused",
         "transport",
     )
 
@@ -97,10 +99,14 @@ class ClockedConnection(asyncio.Protocol):
         self._lost = False
         self._closing = False  # answer what is queued with Connection: close, then close
         self._discarded = 0  # bytes dropped while lingering
-        # Reading stops for either reason; it starts again when both are gone.
+        # Reading stops for any of these reasons; it starts again when all are gone.
         self._pipeline_full = False
         self._body_backlog = False
+        self._write_paused = False  # the client takes its replies slower than they come
         self._reading_paused = False
+        # Runs while writing is paused: a client that takes nothing for idle_timeout_s
+        # is dropped (pause_writing). Paused writes are rare: no cost per request.
+        self._send_timer: asyncio.TimerHandle | None = None
         # One timer per connection, moved lazily: setting a later deadline only stores it
         # (the timer re-arms itself when it fires early), so a kept-alive connection
         # costs no timer call per request.
@@ -123,7 +129,7 @@ class ClockedConnection(asyncio.Protocol):
         transport = self.transport
         if transport is None or self._lost:
             return
-        pause = self._pipeline_full or self._body_backlog
+        pause = self._pipeline_full or self._body_backlog or self._write_paused
         if pause and not self._reading_paused:
             self._reading_paused = True
             transport.pause_reading()
@@ -190,7 +196,13 @@ class ClockedConnection(asyncio.Protocol):
             receiving.body.fail(reason, malformed=False, timed_out=True)
             return
         if kind == HEAD_DEADLINE:
-            log.debug("closed a connection whose request head did not arrive in time")
+            self._head_late()
+            return
+        self._close()
+
+    def _head_late(self) -> None:
+        """A request head did not arrive whole within its time."""
+        log.debug("closed a connection whose request head did not arrive in time")
         self._close()
 
     # --- the end ------------------------------------------------------------------------

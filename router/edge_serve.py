@@ -54,7 +54,6 @@ class ServingConnection(ClockedConnection):
         "_reply_keep_alive",
         "_task",
         "_transport_write",
-        "_write_paused",
     )
 
     def __init__(
@@ -84,7 +83,6 @@ class ServingConnection(ClockedConnection):
         self._framing = BodyFraming.NONE
         self._reply_keep_alive = False
         self._replied = False  # a reply head went out for the current request
-        self._write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
 
     # --- serving ----------------------------------------------------------------------
@@ -101,7 +99,15 @@ class ServingConnection(ClockedConnection):
         queue = self._queue
         self._dispatching = True
         try:
-            while queue and not self._busy and not self._halted and not self._lost:
+            # Not while the client's replies back up (pause_writing): resume_writing
+            # goes on from here.
+            while (
+                queue
+                and not self._busy
+                and not self._write_paused
+                and not self._halted
+                and not self._lost
+            ):
                 request = queue[0]
                 self._replied = False
                 self._busy = True
@@ -122,8 +128,8 @@ class ServingConnection(ClockedConnection):
         head_begun = self._in_head or self._deadline_kind == HEAD_DEADLINE
         if self._refusal is not None:
             self._write_answer_and_close(self._refusal)
-        elif self._closing and not head_begun:
-            self._close()
+        elif self._closing and (self._stopped or not head_begun):
+            self._close()  # (stopped: whatever head began will never be read)
         elif not head_begun:
             self._set_deadline(self._time() + self._limits.idle_timeout_s, IDLE_DEADLINE)
 
@@ -165,6 +171,18 @@ class ServingConnection(ClockedConnection):
             return
         if not self._dispatching:
             self._dispatch()
+
+    def _head_late(self) -> None:
+        if not self._busy:
+            super()._head_late()
+            return
+        # The next head is late while a request is in flight: that request's reply still
+        # goes out (saying Connection: close, unless its head went out already) and the
+        # connection closes after it; nothing more is read. (Closed at once, the reply
+        # was lost and the request counted as the client's leaving.)
+        log.debug("a request head did not arrive in time: closing after the reply")
+        self._stopped = True
+        self._closing = True
 
     def _handler_failed(self) -> None:
         log.exception("the request handler failed")
@@ -337,10 +355,32 @@ class ServingConnection(ClockedConnection):
             self._drain_waiter = None
 
     def pause_writing(self) -> None:
+        """The transport holds more than its high-water mark of unsent replies: no more
+        requests are read or handed to the handler until the client takes them (a
+        pipelining client that reads nothing grew the write buffer by about 11 MB a
+        second, without bound). A client that takes nothing for idle_timeout_s is
+        dropped, as nginx's send_timeout drops it."""
         self._write_paused = True
+        self._update_reading()
+        if self._send_timer is None:
+            self._send_timer = self._loop.call_later(
+                self._limits.idle_timeout_s, self._send_stalled
+            )
+
+    def _send_stalled(self) -> None:
+        self._send_timer = None
+        log.debug("dropped a client that took none of its replies in time")
+        self.abort()
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        timer = self._send_timer
+        if timer is not None:
+            self._send_timer = None
+            timer.cancel()
+        self._update_reading()
+        if self._queue and not self._busy and not self._dispatching:
+            self._dispatch()
         waiter = self._drain_waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)

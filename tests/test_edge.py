@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from router_fixtures import EchoWorker, RawHttp, Rig, open_rig, router_config
+from router_fixtures import EchoWorker, RawHttp, Rig, open_rig, router_config, wait_until
 from test_metrics import scrape, series
 
 from router.answers import Answer
@@ -190,6 +191,24 @@ async def test_a_request_line_begun_while_another_is_handled_keeps_its_head_cloc
         assert 0.4 <= await seconds_until_closed(conn, started) < 2.0
     finally:
         conn.close()
+
+
+async def test_a_head_late_behind_a_request_in_flight_lets_its_reply_out_then_closes(
+    rig: Rig, tmp_path: Path
+) -> None:
+    conn, worker = await a_connection(rig, tmp_path, header_timeout_s=0.3)
+    try:
+        await send_a_parked_post(conn, content_length=2, then=b"GET /next HTT")
+        await asyncio.sleep(0.6)  # the next head's time runs out while /slow is in flight
+        worker.release.set()
+        status, headers, _ = await conn.read_reply()
+        assert (status, headers.get("connection")) == (200, "close")
+        assert await conn.read_to_end() == b""
+    finally:
+        conn.close()
+    assert [seen.path for seen in worker.seen] == ["/slow"]
+    requests = series(scrape(rig.router.metrics), "episode_router_requests_total")
+    assert requests == {"kind=none,outcome=forwarded,status_class=2xx": 1}, requests
 
 
 # --- the request's headers ----------------------------------------------------------------
@@ -537,3 +556,74 @@ async def test_a_body_whose_client_waits_for_100_continue_is_not_timed_before_it
     finally:
         conn.close()
     assert second == 200
+
+
+# --- a client that does not read its replies ------------------------------------------------
+
+
+async def pipelined_unread(
+    limits: EdgeLimits, requests: int, wait_s: float
+) -> tuple[EdgeServer, socket.socket, asyncio.Task[None], asyncio.Server]:
+    """An edge answering every request 503 at once, and a client that sends `requests`
+    pipelined GETs (in a task) and reads nothing for `wait_s`."""
+
+    def handler(request: PublicRequest) -> None:
+        request.client.answer(request, Answer("no_worker", "answered at once"))
+        request.client.finished(request)
+
+    loop = asyncio.get_running_loop()
+    edge = EdgeServer(handler, limits, loop)
+    server = await loop.create_server(edge, "127.0.0.1", 0)
+    client = socket.socket()
+    for buffer in (socket.SO_RCVBUF, socket.SO_SNDBUF):  # small, and set before connect
+        client.setsockopt(socket.SOL_SOCKET, buffer, 4096)
+    client.setblocking(False)
+    await loop.sock_connect(client, server.sockets[0].getsockname())
+    data = b"GET /p HTTP/1.1\r\nHost: x\r\n\r\n" * requests
+    sender = asyncio.create_task(loop.sock_sendall(client, data), name="pipelining-client")
+    await asyncio.sleep(wait_s)
+    return edge, client, sender, server
+
+
+async def test_a_client_that_reads_no_replies_is_not_read_until_it_does() -> None:
+    requests = 60_000  # ~8 MB of answers, ~1.7 MB of requests
+    edge, client, sender, server = await pipelined_unread(EdgeLimits(), requests, 1.0)
+    loop = asyncio.get_running_loop()
+    try:
+        [conn] = edge.connections
+        assert conn.transport is not None
+        # The unsent answers stay near the transport's high-water mark (64 KiB): the
+        # router stopped reading, and the client's sending stalls.
+        assert conn.transport.get_write_buffer_size() < 512 * 1024
+        assert not sender.done()
+        status_line, answered, tail = b"HTTP/1.1 503 ", 0, b""
+        async with asyncio.timeout(30):
+            while answered < requests:
+                chunk = tail + await loop.sock_recv(client, 1 << 16)
+                answered += chunk.count(status_line)
+                tail = chunk[1 - len(status_line) :]  # a status line cut across two reads
+        await sender
+        assert answered == requests  # every one answered, none lost
+    finally:
+        sender.cancel()
+        client.close()
+        server.close()
+        await edge.shutdown(0.5)
+
+
+async def test_a_client_that_reads_nothing_for_the_idle_timeout_is_dropped() -> None:
+    edge, client, sender, server = await pipelined_unread(
+        EdgeLimits(idle_timeout_s=0.5), 30_000, 0.2
+    )
+    try:
+        assert len(edge.connections) == 1
+
+        async def dropped() -> bool:
+            return not edge.connections
+
+        assert 0.2 < await wait_until(dropped, "the connection to be dropped", 5) < 2
+    finally:
+        sender.cancel()
+        client.close()
+        server.close()
+        await edge.shutdown(0.5)

@@ -27,6 +27,10 @@ from router.framing import content_length_number, framing_problem
         ("CONNECT", (1, 1), [], None, "worker:443", "CONNECT is not forwarded"),
         ("OPTIONS", (1, 1), [], None, "*", "The asterisk form (OPTIONS *)"),
         ("OPTIONS", (1, 1), [], None, "/x", None),
+        ("GET", (1, 0), [], None, "/x", None),
+        ("GET", (0, 9), [], None, "/x", None),
+        ("GET", (2, 0), [], None, "/x", "HTTP versions above 1.1 are not served"),
+        ("GET", (1, 2), [], None, "/x", "HTTP versions above 1.1 are not served"),
     ],
 )
 def test_framing_problems(
