@@ -67,6 +67,7 @@ class ParsingConnection(ServingConnection):
         "_remote",
         "_stalled_bytes",
         "_te_seen",
+        "_trailer_fields",
         "_upgrade_seen",
         "_url",
     )
@@ -102,6 +103,7 @@ class ParsingConnection(ServingConnection):
         # The header pairs as llhttp gave them, bytes: decoded only when something asks
         # for text (see PublicRequest.header_list).
         self._headers: list[tuple[bytes, bytes]] = []
+        self._trailer_fields = 0  # of the body being read, if chunked
         self._note_head_start()
         self._refusal_kind = HeadRefusal.MALFORMED
 
@@ -168,10 +170,20 @@ class ParsingConnection(ServingConnection):
             raise _HeadLimit
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self._in_head:
-            self._parse_events += 1  # a trailer field came out (the stall count)
-            return  # a trailer of a chunked body: dropped, never a header
         limits = self._limits
+        if not self._in_head:
+            # A trailer field of a chunked body: dropped, never a header, but held to the
+            # head's bounds, or a client could send them for as long as it likes (each
+            # one moves the body clock on). Over them, the body is refused (400).
+            self._parse_events += 1  # a field came out (the stall count)
+            self._trailer_fields += 1
+            if (
+                self._trailer_fields > limits.max_headers
+                or len(name) + len(value) + 2 > limits.max_header_bytes
+            ):
+                self._refusal_kind = HeadRefusal.TOO_MANY_HEADERS
+                raise _HeadLimit
+            return
         if len(name) + len(value) + 2 > limits.max_header_bytes:
             self._refusal_kind = HeadRefusal.FIELD_TOO_LONG
             raise _HeadLimit
@@ -215,6 +227,7 @@ class ParsingConnection(ServingConnection):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._trailer_fields = 0
         kind = self._deadline_kind
         if kind in (HEAD_DEADLINE, IDLE_DEADLINE):
             # Either clock stops for a request being handled: the idle one may still

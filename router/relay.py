@@ -307,6 +307,12 @@ class Forwarder:
                 return UpstreamFailure("error", reply.broken)
             deadline = exchange.deadline
             if await conn.wait(deadline) == TIMED_OUT and exchange.deadline == deadline:
+                if exchange.awaiting_client:
+                    # The client is still sending its body (trailers, say, that move no
+                    # chunk): its body clock answers its silence with 408. The worker's
+                    # time starts again from the client's next chunk or its end.
+                    exchange.deadline = asyncio.get_running_loop().time() + first_byte_s
+                    continue
                 return UpstreamFailure("timeout", f"no reply within {first_byte_s:g} s")
         return None
 

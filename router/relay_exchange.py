@@ -29,6 +29,7 @@ class Exchange(ClientLost):
     wakes the wait for the reply at once."""
 
     __slots__ = (
+        "awaiting_client",
         "body_broke",
         "chunked",
         "conn",
@@ -50,6 +51,9 @@ class Exchange(ClientLost):
         self.body_broke: BodyBroken | None = None  # the client's body did not complete
         self.too_large = False  # the streamed body went over max_body_bytes
         self.deadline = 0.0  # for the reply head; pushed on by each uploaded chunk
+        # The streamed upload waits for the client's next body bytes: the wait for the
+        # reply head is not the worker's then (the client's body clock bounds it).
+        self.awaiting_client = False
 
     def settle(self, clean: bool) -> None:
         """Lets go of the worker connection: back to the pool after a complete exchange

@@ -51,6 +51,7 @@ async def _upload(
     chunked = exchange.chunked
     sent = 0
     while True:
+        exchange.awaiting_client = True
         try:
             # readany hands over what arrived since the last call, in one piece.
             chunk = await content.readany()
@@ -58,6 +59,8 @@ async def _upload(
             exchange.body_broke = broken
             conn.interrupt()
             return
+        finally:
+            exchange.awaiting_client = False
         if conn.closed:
             return  # the worker's side ended; the reply says how
         if not chunk:
@@ -71,7 +74,8 @@ async def _upload(
             return
         conn.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
         # Upload progress pushes the reply-head deadline on: first_byte_s bounds a
-        # stall in the upload, and after its last chunk the wait for the reply head.
+        # worker that stops taking the upload (drain), and after its last chunk the
+        # wait for the reply head; not the client's pauses (awaiting_client).
         exchange.deadline = loop.time() + first_byte_s
         await conn.drain()
     if chunked:

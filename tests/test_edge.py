@@ -448,6 +448,47 @@ async def test_a_body_that_keeps_coming_is_not_cut_by_the_body_timeout(
         conn.close()
 
 
+async def test_trailers_sent_slowly_are_the_clients_time_not_the_workers(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # The body's chunks are in; its trailers come one at a time, for longer than the
+    # worker's first-byte timeout: the worker is not timed while the client still sends.
+    await rig.start_router(
+        router_config(
+            tmp_path,
+            limits=limits(body_timeout_s=2.0),
+            timeouts=dataclasses.replace(TimeoutsConfig(), first_byte_s=0.3),
+        )
+    )
+    worker = await rig.add_worker("w0")
+    conn = await RawHttp.open(rig.router.public_port)
+    try:
+        conn.send(b"POST /t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        conn.send(b"5\r\nhello\r\n0\r\n")
+        for number in range(5):  # 1 s in all
+            await asyncio.sleep(0.2)
+            conn.send(b"X-T%d: a\r\n" % number)
+        conn.send(b"\r\n")
+        status, _, _ = await conn.read_reply()
+    finally:
+        conn.close()
+    assert status == 200
+    assert [seen.body_bytes for seen in worker.seen] == [5]
+    assert series(scrape(rig.router.metrics), "episode_router_upstream_failures_total") == {}
+
+
+async def test_trailers_past_the_head_limits_refuse_the_body(rig: Rig, tmp_path: Path) -> None:
+    conn, _ = await a_connection(rig, tmp_path, max_headers=3)
+    try:
+        conn.send(b"POST /t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        conn.send(b"5\r\nhello\r\n0\r\n" + b"X-T: a\r\n" * 4 + b"\r\n")
+        status, _, answer = await conn.read_reply()
+        assert await conn.read_to_end() == b""
+    finally:
+        conn.close()
+    assert (status, b'"bad_request"' in answer) == (400, True)
+
+
 @pytest.mark.parametrize(
     ("head", "status"),
     [
