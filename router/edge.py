@@ -27,13 +27,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import cast
+from typing import Final, cast
 
 from router.edge_clock import HEAD_DEADLINE, EdgeLimits
 from router.edge_parse import ParsingConnection
 from router.edge_serve import Handler
 
-__all__ = ["EdgeConnection", "EdgeLimits", "EdgeServer", "Handler"]
+__all__ = ["PARSE_SLICE_BYTES", "EdgeConnection", "EdgeLimits", "EdgeServer", "Handler"]
+
+# The most bytes of one read parsed before the queue of pipelined requests is looked at
+# again: at most ~580 of the tiniest requests fit in one slice.
+PARSE_SLICE_BYTES: Final = 16384
 
 
 class EdgeServer:
@@ -109,6 +113,33 @@ class EdgeConnection(ParsingConnection):
         if self._stopped:
             self._discard(len(data))
             return
+        if self._unparsed is not None:
+            self._unparsed += data  # came with the pause; parsed after what was kept
+            return
+        if len(data) > PARSE_SLICE_BYTES:
+            self._receive_in_slices(data)
+            return
+        self._receive(data)
+
+    def _receive_in_slices(self, data: bytes) -> None:
+        """A large read, parsed a slice at a time, stopping once MAX_PIPELINED requests
+        wait: llhttp parses all it is given, so a 256 KiB read of tiny pipelined
+        requests queued about 9,000 of them (some 18 bytes of memory per byte read).
+        The rest is kept, reading paused, until the queue drains (finished). A large
+        read is most often a body's, which this cuts in a few more parser calls."""
+        view = memoryview(data)
+        size = len(data)
+        for start in range(0, size, PARSE_SLICE_BYTES):
+            if self._stopped:
+                self._discard(size - start)
+                return
+            if self._pipeline_full:
+                self._unparsed = data[start:]
+                self._update_reading()
+                return
+            self._receive(bytes(view[start : start + PARSE_SLICE_BYTES]))
+
+    def _receive(self, data: bytes) -> None:
         events = self._parse_events
         self._feed(data)
         if events != self._parse_events or self._stopped:

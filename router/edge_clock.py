@@ -82,6 +82,7 @@ class ClockedConnection(asyncio.Protocol):
         "_time",
         "_timer",
         "_timer_when",
+        "_unparsed",
         "_write_paused",
         "transport",
     )
@@ -103,6 +104,9 @@ class ClockedConnection(asyncio.Protocol):
         self._pipeline_full = False
         self._body_backlog = False
         self._write_paused = False  # the client takes its replies slower than they come
+        # Read and not yet parsed: the rest of a large read, kept while MAX_PIPELINED
+        # requests wait (router.edge's data_received).
+        self._unparsed: bytes | None = None
         self._reading_paused = False
         # Runs while writing is paused: a client that takes nothing for idle_timeout_s
         # is dropped (pause_writing). Paused writes are rare: no cost per request.
@@ -129,7 +133,12 @@ class ClockedConnection(asyncio.Protocol):
         transport = self.transport
         if transport is None or self._lost:
             return
-        pause = self._pipeline_full or self._body_backlog or self._write_paused
+        pause = (
+            self._pipeline_full
+            or self._body_backlog
+            or self._write_paused
+            or self._unparsed is not None
+        )
         if pause and not self._reading_paused:
             self._reading_paused = True
             transport.pause_reading()
@@ -226,6 +235,7 @@ class ClockedConnection(asyncio.Protocol):
         transport.write_eof()  # the answer is all the client gets; it may stop sending
         self._set_deadline(self._time() + LINGER_S, LINGER_DEADLINE)
         self._pipeline_full = self._body_backlog = False
+        self._unparsed = None  # never parsed now
         self._update_reading()
 
     def _discard(self, size: int) -> None:

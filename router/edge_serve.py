@@ -164,6 +164,10 @@ class ServingConnection(ClockedConnection):
             return
         if self._pipeline_full and len(queue) <= MAX_PIPELINED:
             self._pipeline_full = False
+            if self._unparsed is not None:
+                # Parsed from the loop, not from inside this reply's finish: reading
+                # stays paused until then, so bytes are parsed in the order they came.
+                self._loop.call_soon(self._parse_unparsed)
             self._update_reading()
         if not self._reply_keep_alive:
             self._halted = True
@@ -183,6 +187,13 @@ class ServingConnection(ClockedConnection):
         log.debug("a request head did not arrive in time: closing after the reply")
         self._stopped = True
         self._closing = True
+
+    def _parse_unparsed(self) -> None:
+        unparsed = self._unparsed
+        self._unparsed = None
+        if unparsed is not None and not self._lost:
+            self.data_received(unparsed)  # may keep a rest again
+        self._update_reading()
 
     def _handler_failed(self) -> None:
         log.exception("the request handler failed")

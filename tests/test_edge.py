@@ -15,8 +15,9 @@ from test_metrics import scrape, series
 
 from router.answers import Answer
 from router.config import LimitsConfig, TimeoutsConfig
-from router.edge import EdgeLimits, EdgeServer
+from router.edge import PARSE_SLICE_BYTES, EdgeLimits, EdgeServer
 from router.edge_request import PublicRequest
+from router.edge_serve import MAX_PIPELINED
 from router.edge_wire import HeadRefusal, head_refusal_answer
 
 
@@ -666,5 +667,42 @@ async def test_a_client_that_reads_nothing_for_the_idle_timeout_is_dropped() -> 
     finally:
         sender.cancel()
         client.close()
+        server.close()
+        await edge.shutdown(0.5)
+
+
+async def test_a_large_read_of_pipelined_requests_queues_a_slice_of_it_not_all() -> None:
+    release = asyncio.Event()
+
+    async def answer_when_released(request: PublicRequest) -> None:
+        await release.wait()
+        request.client.answer(request, Answer("no_worker", "answered in turn"))
+
+    loop = asyncio.get_running_loop()
+    edge = EdgeServer(answer_when_released, EdgeLimits(), loop)
+    server = await loop.create_server(edge, "127.0.0.1", 0)
+    requests = 20_000  # 560 KB, sent at once: reads of up to 256 KiB
+    status_line, answered, tail = b"HTTP/1.1 503 ", 0, b""
+    conn = await RawHttp.open(int(server.sockets[0].getsockname()[1]))
+    try:
+        conn.send(b"GET /p HTTP/1.1\r\nHost: x\r\n\r\n" * requests)
+        await asyncio.sleep(0.5)
+        [connection] = edge.connections
+        # What one slice holds at most, past the bound that paused reading.
+        tiniest = len(b"GET /p HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (
+            MAX_PIPELINED
+            < len(connection._queue)
+            <= MAX_PIPELINED + 1 + (PARSE_SLICE_BYTES // tiniest)
+        )
+        release.set()
+        async with asyncio.timeout(30):
+            while answered < requests:
+                chunk = tail + await conn.reader.read(1 << 16)
+                answered += chunk.count(status_line)
+                tail = chunk[1 - len(status_line) :]
+        assert answered == requests  # every one, in turn
+    finally:
+        conn.close()
         server.close()
         await edge.shutdown(0.5)
