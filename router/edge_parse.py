@@ -56,7 +56,7 @@ class ParsingConnection(ServingConnection):
         "_feed_data",
         "_headers",
         "_host",
-        "_host_repeated",
+        "_host_refused",
         "_keeps_alive",
         "_length_text",
         "_local_host",
@@ -154,7 +154,7 @@ class ParsingConnection(ServingConnection):
         self._host: str | None = None
         self._expect: bytes | None = None
         self._upgrade_seen = False
-        self._host_repeated = False
+        self._host_refused = False  # repeated, or a value that is no host
 
     def on_url(self, url: bytes) -> None:
         if not self._in_head:
@@ -202,10 +202,11 @@ class ParsingConnection(ServingConnection):
         size = len(name)
         if size == 4:
             if name == b"Host" or name == b"host" or name.lower() == b"host":
-                if self._host is None:
-                    self._host = host_text(value)
+                host = host_text(value) if self._host is None else None
+                if host is None:
+                    self._host_refused = True
                 else:
-                    self._host_repeated = True
+                    self._host = host
         elif size == 14:
             if self._length_text is None and (
                 name == b"Content-Length"
@@ -264,10 +265,10 @@ class ParsingConnection(ServingConnection):
         else:
             version = version_of(parser.get_http_version())
         target, authority = target_of(self._url)
-        if self._host_repeated or (self._host is None and authority is None and version >= HTTP_11):
+        if self._host_refused or (self._host is None and authority is None and version >= HTTP_11):
             # RFC 9112 §3.2: 400 for an HTTP/1.1 request with no Host (unless its target
-            # names the authority) or with more than one, which two hops could each read
-            # differently (nginx refuses both the same way).
+            # names the authority), with more than one, which two hops could each read
+            # differently, or with one that is no host (nginx refuses all three).
             self._refusal_kind = HeadRefusal.BAD_HOST
             raise _HeadLimit
         request = PublicRequest(

@@ -9,6 +9,7 @@ no limits (the connection checks those before it asks).
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 from router.edge_wire import split_target
@@ -55,12 +56,21 @@ _LAST_METHOD: Final = _LastRead(b"POST", "POST")
 _LAST_TARGET: Final = _LastRead()
 
 
-def host_text(value: bytes) -> str:
-    """A Host header's value as text (UTF-8, surrogate escapes for the rest)."""
+# RFC 3986's host (a name, an IPv4 address or a bracketed IP literal) and port, in the
+# characters they may hold; empty too (RFC 9110 §7.2: a target with no authority).
+_HOST_VALUE: Final = re.compile(rb"[A-Za-z0-9._~!$&'()*+,;=%:\[\]-]*")
+
+
+def host_text(value: bytes) -> str | None:
+    """A Host header's value as text, or None when it is no host and port (RFC 9112
+    §3.2: 400), as nginx refuses one with a space in it. Checked only when the bytes
+    change, like the rest: the same Host, request after request, is read once."""
     last = _LAST_HOST
     if value == last.raw:
         return last.text
-    text = value.decode("utf-8", "surrogateescape")
+    if _HOST_VALUE.fullmatch(value) is None:
+        return None
+    text = value.decode("ascii")
     last.raw = value
     last.text = text
     return text

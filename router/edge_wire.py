@@ -68,7 +68,9 @@ def head_refusal_answer(refusal: HeadRefusal, parser_error: str = "") -> Answer:
             "An Upgrade or CONNECT request with a body is not served: no protocol is tunnelled.",
         )
     if refusal is HeadRefusal.BAD_HOST:
-        return Answer("bad_request", "An HTTP/1.1 request needs exactly one Host header.")
+        return Answer(
+            "bad_request", "An HTTP/1.1 request needs exactly one Host header, naming a host."
+        )
     text = parser_error.strip().rstrip(".")
     detail = f"The request is malformed: {text[:120]}." if text else "The request is malformed."
     return Answer("bad_request", detail)

@@ -21,10 +21,17 @@ def test_http_11_compares_as_the_version_it_names() -> None:
 
 
 def test_a_host_is_read_afresh_whenever_its_bytes_change() -> None:
-    hosts = [b"a.example:8080", b"a.example:8080", b"b.example", b"\xffodd", b"a.example:8080"]
-    assert [host_text(host) for host in hosts] == [
-        host.decode("utf-8", "surrogateescape") for host in hosts
-    ]
+    hosts = [b"a.example:8080", b"a.example:8080", b"b.example", b"[::1]:81", b"a.example:8080"]
+    assert [host_text(host) for host in hosts] == [host.decode() for host in hosts]
+
+
+@pytest.mark.parametrize(
+    "value", [b"a b", b"a\tb", b"a.example/x", b"a@b", b"\xffodd", b'"a"', b"a?b", b"a#b"]
+)
+def test_a_host_value_that_is_no_host_is_none(value: bytes) -> None:
+    assert host_text(b"a.example") == "a.example"
+    assert host_text(value) is None
+    assert host_text(b"a.example") == "a.example"  # what was cached stands
 
 
 def test_a_method_is_read_afresh_whenever_its_bytes_change() -> None:
