@@ -130,6 +130,10 @@ class PublicHandler:
         if found is not None:
             kind = found.kind
             key = found.key
+            if found.one_line is not None:
+                header = self.sessions.by_name[kind].header
+                if header is not None:
+                    exchange.request.keep_one_header(header, found.one_line)
         exchange.kind = kind
         decision = self.core.route(kind, key, self._clock())
         if self.metrics is not None:

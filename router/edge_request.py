@@ -231,6 +231,23 @@ class PublicRequest:
         # Told once if the client connection closes while this request is handled.
         self.on_client_lost: ClientLost | None = None
 
+    def keep_one_header(self, name: str, value: str) -> None:
+        """Header `name` (any case) becomes one line holding `value`, where its first line
+        stood: what the worker gets of a session header repeated with one value."""
+        wanted = name.lower().encode("latin-1")
+        line = value.encode("utf-8", "surrogateescape")
+        kept: list[tuple[bytes, bytes]] = []
+        placed = False
+        for pair in self.raw_headers:
+            if pair[0].lower() != wanted:
+                kept.append(pair)
+            elif not placed:
+                kept.append((pair[0], line))
+                placed = True
+        self.raw_headers = kept
+        self._header_list = None
+        self._headers = None
+
     @property
     def header_list(self) -> list[tuple[str, str]]:
         """The (name, value) pairs as text, in order: a name as Latin-1 (llhttp let only

@@ -139,10 +139,14 @@ def _route(route: RouteConfig | None) -> Route | None:
 class SessionRef:
     kind: str
     key: str
+    # A session header that came repeated (lines, or values joined by commas) with one
+    # value: that value, which the worker gets in one line instead (None otherwise).
+    one_line: str | None
 
-    def __init__(self, kind: str, key: str) -> None:
+    def __init__(self, kind: str, key: str, one_line: str | None = None) -> None:
         self.kind = kind
         self.key = key
+        self.one_line = one_line
 
 
 # Session formats whose text cannot hold a comma (base64url, dots, dashes).
@@ -261,6 +265,7 @@ class SessionReader:
         return None
 
     def _decide(self, kind: SessionKind, values: list[str], now: float) -> SessionRef | Answer:
+        lines = values
         if kind.name in self._listed:
             values = _list_items(values)
         if len(values) > 1 and any(value != values[0] for value in values[1:]):
@@ -269,10 +274,16 @@ class SessionReader:
         try:
             cache = self._token_caches.get(kind.name)
             if cache is not None:
-                return SessionRef(kind.name, cache.key(values[0], now))
-            return SessionRef(kind.name, session_key(kind, values[0], now))
+                key = cache.key(values[0], now)
+            else:
+                key = session_key(kind, values[0], now)
         except RefusedValue as exc:  # a TokenError or a FormatError
             return Answer(exc.code, exc.detail)
+        if (len(lines) > 1 or values is not lines) and kind.source != "cookie":
+            # Read as one value here, but a worker reading the header as one line would
+            # see `T, T`: it gets one line (a cookie header holds other cookies: as is).
+            return SessionRef(kind.name, key, values[0])
+        return SessionRef(kind.name, key)
 
 
 def _list_items(values: list[str]) -> list[str]:

@@ -380,8 +380,15 @@ async def test_a_session_header_repeated_with_different_values_is_400(rig: Rig) 
     assert worker.seen == []
 
     same = token("ep")
-    reply = await rig.request("GET", "/same", headers=[(TOKEN_HEADER, same), (TOKEN_HEADER, same)])
-    assert reply.status == 200 and reply.worker == "w0"
+    for repeated in (
+        [(TOKEN_HEADER, same), (TOKEN_HEADER, same)],
+        [(TOKEN_HEADER, f"{same}, {same}")],
+    ):
+        reply = await rig.request("GET", "/same", headers=repeated)
+        assert reply.status == 200 and reply.worker == "w0"
+        # The worker gets it in one line, as the router read it: one value.
+        [seen] = worker.seen[-1:]
+        assert [v for n, v in seen.headers if n.lower() == TOKEN_HEADER.lower()] == [same]
 
 
 # --- upstream failures ------------------------------------------------------------------------

@@ -651,9 +651,11 @@ def test_a_session_header_repeated_with_the_same_value_is_read_once() -> None:
     reader = reader_of(EPISODE, MCP)
     token = jws("ep1")
     same = merge(header(TOKEN_HEADER, token), header(TOKEN_HEADER.upper(), token))
-    assert read(reader, same) == SessionRef("episode", "ep1-a0")
+    # ...and forwarded in one line (`one_line`): the worker reads the header once too.
+    assert read(reader, same) == SessionRef("episode", "ep1-a0", token)
     ids = merge(header("Mcp-Session-Id", "m1"), header("Mcp-Session-Id", "m1"))
-    assert read(reader, ids) == SessionRef("mcp_session", "m1")
+    assert read(reader, ids) == SessionRef("mcp_session", "m1", "m1")
+    assert read(reader, header(TOKEN_HEADER, token)) == SessionRef("episode", "ep1-a0", None)
 
 
 def test_token_values_joined_in_one_line_read_as_repeated_lines() -> None:
@@ -663,11 +665,11 @@ def test_token_values_joined_in_one_line_read_as_repeated_lines() -> None:
     assert refused(read(reader, header(TOKEN_HEADER, f"{one}, {other}"))) == "ambiguous_session"
     assert refused(read(reader, header(TOKEN_HEADER, f"{one},{one}x"))) == "ambiguous_session"
     for same in (f"{one}, {one}", f"{one},\t{one}", f" ,{one}, "):
-        assert read(reader, header(TOKEN_HEADER, same)) == SessionRef("episode", "ep1-a0")
+        assert read(reader, header(TOKEN_HEADER, same)) == SessionRef("episode", "ep1-a0", one)
     assert refused(read(reader, header(TOKEN_HEADER, " , "))) == "invalid_token"
     # An empty line reads as it would once a proxy joined it to the other: nothing.
     lines = merge(header(TOKEN_HEADER, ""), header(TOKEN_HEADER, one))
-    assert read(reader, lines) == SessionRef("episode", "ep1-a0")
+    assert read(reader, lines) == SessionRef("episode", "ep1-a0", one)
     assert refused(read(reader, header(TOKEN_HEADER, ""))) == "invalid_token"
     # An MCP session id may hold a comma: it is one value, read as it stands.
     assert read(reader, header("Mcp-Session-Id", "m1,m2")) == SessionRef("mcp_session", "m1,m2")
