@@ -20,7 +20,9 @@ import os
 from collections.abc import Iterator
 
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 
+from router.app_exchange import MAX_LOGGED_PATH
 from router.edge import EdgeServer
 
 PUBLIC_BACKLOG = 1024  # pending connections on the public port (asyncio's default: 100)
@@ -48,6 +50,7 @@ async def serve_admin(
         runner = web.AppRunner(
             app,
             access_log=access_log,
+            access_log_class=AdminAccessLogger,
             shutdown_timeout=shutdown_grace_s,
             handle_signals=False,
         )
@@ -81,3 +84,20 @@ def _naming_the_listener(section: str, host: str, port: int) -> Iterator[None]:
         named = OSError(f"{section} {host}:{port}: {reason}")  # str(): the message alone
         named.errno = exc.errno
         raise named from exc
+
+
+class AdminAccessLogger(AbstractAccessLogger):
+    """An admin request's access line in the public one's shape (fields, not aiohttp's
+    Apache-style text), so the log stays one JSON object per line."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        self.logger.info(
+            "admin request",
+            extra={
+                "method": request.method,
+                "path": request.path[:MAX_LOGGED_PATH],
+                "status": response.status,
+                "duration_ms": round(time * 1000, 3),
+                "client": request.remote,
+            },
+        )

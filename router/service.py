@@ -25,7 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from router.admin import admin_application
-from router.app import PublicHandler
+from router.app import PublicHandler, access_log
 from router.build import build_name
 from router.config import Config, load_config
 from router.control import ControlSession
@@ -165,7 +165,7 @@ class RouterService:
             admin_application(self),
             config.admin.host,
             config.admin.port,
-            access_log=log if config.log.access else None,
+            access_log=access_log if config.log.access else None,
             shutdown_grace_s=config.timeouts.shutdown_grace_s,
         )
         self.admin_port = bound_port(self._admin)

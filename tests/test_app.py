@@ -123,6 +123,18 @@ def access_records() -> Iterator[list[logging.LogRecord]]:
         logger.setLevel(level)
 
 
+async def test_the_admin_listeners_access_lines_have_the_same_fields(
+    rig: Rig, access_records: list[logging.LogRecord]
+) -> None:
+    await rig.start_router(log=LogConfig(access=True))
+    assert (await rig.admin("GET", "/healthz")).status == 200
+    [line] = [vars(record) for record in access_records]
+    assert line["msg"] == "admin request"
+    fields = {name: line[name] for name in ("method", "path", "status", "client")}
+    assert fields == {"method": "GET", "path": "/healthz", "status": 200, "client": "127.0.0.1"}
+    assert line["duration_ms"] >= 0
+
+
 async def test_the_access_log_has_one_line_per_request_forwarded_or_answered(
     rig: Rig, access_records: list[logging.LogRecord]
 ) -> None:
