@@ -94,9 +94,8 @@ class UpstreamAddress(NamedTuple):
 
 def parse_upstream(url: str) -> UpstreamAddress | str:
     """The address `url` names ("http://host:port" or "unix:/absolute/path"), or why
-    it names none. The config's upstreams and a
-    worker's hello are read by this one function, so neither takes a url the other
-    refuses."""
+    it names none. The config's upstreams, a worker's hello and a journal's worker
+    records are read by this one function, so none takes a url another refuses."""
     expected = f"expected http://host:port or unix:/absolute/path, got {_quote(url)}"
     if url.startswith(_UNIX):
         path = url[len(_UNIX) :]
