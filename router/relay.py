@@ -34,7 +34,7 @@ from router.forward import (
     request_headers_for_worker,
     rewrite_location,
 )
-from router.relay_connection import TIMED_OUT, WorkerConnection
+from router.relay_connection import TIMED_OUT, WOKE, WorkerConnection
 from router.relay_exchange import Exchange, client_headers, send_whole, stale
 from router.relay_lane import Lane, LaneDone
 from router.relay_pool import PoolClosed, WorkerPool
@@ -324,13 +324,17 @@ class Forwarder:
         conn = exchange.conn
         assert conn is not None
         reply = conn.reply
+        request = exchange.request
         if observer is not None:
             await self._observe(conn, observer)
+            if request.client.client_gone:
+                # Left while the body was read for the observer: the worker's connection
+                # is dropped now (the finally's settle), not read to its end.
+                raise UpstreamFailure("client_left", CLIENT_GONE, request_sent=True)
         status, reason = reply.status, reply.raw_reason
-        request = exchange.request
         length = reply.content_length
         if reply.complete or (length is not None and length <= WHOLE_BODY_MAX):
-            why = await self._whole_reply(conn)
+            why = await self._whole_reply(conn, request)
             if why is None:
                 return send_whole(exchange, public_base)
             headers = client_headers(exchange, public_base)
@@ -350,8 +354,10 @@ class Forwarder:
             request.client.reply_abort(idle_s)
         return status
 
-    async def _whole_reply(self, conn: WorkerConnection) -> str | None:
-        """Reads a reply known to be small to its end; None then, else why it stopped."""
+    async def _whole_reply(self, conn: WorkerConnection, request: PublicRequest) -> str | None:
+        """Reads a reply known to be small to its end; None then, else why it stopped.
+        Raises UpstreamFailure (client_left) when the client leaves meanwhile: nothing
+        of the reply went out, and the worker's connection is dropped, not read on."""
         reply = conn.reply
         idle_s = self._timeouts.stream_idle_s
         loop = self._loop
@@ -359,6 +365,8 @@ class Forwarder:
         while not reply.complete:
             if reply.broken is not None:
                 return f"the worker's reply broke off ({reply.broken})"
+            if request.client.client_gone:
+                raise UpstreamFailure("client_left", CLIENT_GONE, request_sent=True)
             if await conn.wait(loop.time() + idle_s) == TIMED_OUT:
                 return f"no reply data for {idle_s:g} s"
         return None
@@ -376,7 +384,9 @@ class Forwarder:
         assert loop is not None
         deadline = loop.time() + self._timeouts.stream_idle_s
         while not reply.complete and reply.broken is None and reply.buffered <= wanted:
-            if await conn.wait(deadline) == TIMED_OUT:
-                return  # what was read is relayed; the relay meets the same stall
+            if await conn.wait(deadline) != WOKE:
+                # Timed out: what was read is relayed, and the relay meets the same stall.
+                # Interrupted: the client left (the caller looks).
+                return
         if reply.complete and reply.buffered <= wanted:
             observer.body(reply.peek_body())

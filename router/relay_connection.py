@@ -123,7 +123,11 @@ class WorkerConnection(asyncio.Protocol):
         return None  # the transport closes itself
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.reply.feed_eof()
+        if exc is None:
+            self.reply.feed_eof()
+        else:
+            # A reset is no end of a reply, not even of one whose body ends at close.
+            self.reply.feed_reset(f"its connection broke ({exc})")
         self._wake(WOKE)
         if self._timer is not None:
             self._timer.cancel()  # it holds this connection until it fires

@@ -28,6 +28,11 @@ MAX_REPLY_FIELD: Final = 64 * 1024
 # The whole reply head (every line, interim 1xx heads included) is bounded too, so a
 # worker streaming headers forever cannot grow the router's memory.
 MAX_REPLY_HEAD: Final = 256 * 1024
+# A chunked body's trailer fields: at most this many, each a header line's length, and
+# no run of bytes from which nothing comes out (httptools gathers a field's bytes until
+# it ends) longer than a line: a worker sending one trailer for ever grew the router by
+# 61 MB in 4 s, until the stream's idle timeout.
+MAX_REPLY_TRAILERS: Final = 100
 _HTTP_11_STATUS: Final = b"HTTP/1.1 "
 _CR: Final = 13
 _LF: Final = 10
@@ -83,8 +88,11 @@ class ReplyParser:
         "_messages",
         "_parser",
         "_parser_spent",
+        "_quiet_bytes",
         "_status_code",
+        "_trailers",
         "_transfer_encoding",
+        "_yields",
         "broken",
         "buffered",
         "chunks",
@@ -134,6 +142,9 @@ class ReplyParser:
         self.has_date = False
         self.head_bytes = 0
         self.head_done = False
+        self._yields = 0  # callbacks that brought something out (feed's stall count)
+        self._quiet_bytes = 0  # fed since the last of them, once the head is done
+        self._trailers = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self._headers: list[tuple[str, str]] | None = None
         self.raw_reason = b""
@@ -174,12 +185,22 @@ class ReplyParser:
         if self.complete:
             self.reusable = False  # bytes after the reply: nothing may follow on this link
             return
+        yields = self._yields
         try:
             self._feed_data(data)
         except HttpParserUpgrade:
             self._fail(SWITCHED)
         except HttpParserError as exc:
             self._fail(self.broken or f"invalid reply: {exc}")
+        if self.head_done and not self.complete:
+            if yields != self._yields:
+                self._quiet_bytes = 0
+            else:
+                self._quiet_bytes += len(data)
+                if self._quiet_bytes > MAX_REPLY_FIELD and self.broken is None:
+                    self._fail(
+                        f"invalid reply: a chunk or trailer line over {MAX_REPLY_FIELD // 1024} KiB"
+                    )
         if not self.head_done and self.head_bytes > MAX_REPLY_HEAD and self.broken is None:
             self._fail(f"invalid reply: a reply head over {MAX_REPLY_HEAD // 1024} KiB")
         elif (
@@ -192,6 +213,13 @@ class ReplyParser:
             and _ends_at_its_body(data, self.content_length)
         ):
             self.whole = data
+
+    def feed_reset(self, why: str) -> None:
+        """The connection ended in an error (a reset): a reply not yet complete breaks,
+        even one whose body ends at close (a reset is no end)."""
+        self.reusable = False
+        if not self.complete and self.broken is None:
+            self.broken = why
 
     def feed_eof(self) -> None:
         """The worker closed the connection: ends an until-close body, else breaks the
@@ -245,7 +273,13 @@ class ReplyParser:
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.head_done:
-            return  # a chunked body's trailer fields: dropped, as aiohttp's client does
+            # A chunked body's trailer field: dropped, as aiohttp's client does; bounded.
+            self._yields += 1
+            self._trailers += 1
+            if self._trailers > MAX_REPLY_TRAILERS or len(name) + len(value) > MAX_REPLY_FIELD:
+                self.broken = "invalid reply: trailer fields over the limits"
+                raise ValueError(self.broken)
+            return
         if len(name) + len(value) > MAX_REPLY_FIELD:
             self.broken = f"invalid reply: a header line over {MAX_REPLY_FIELD // 1024} KiB"
             raise ValueError(self.broken)
@@ -274,7 +308,13 @@ class ReplyParser:
     def on_headers_complete(self) -> None:
         if self.complete:
             return  # a reply nobody asked for (on_message_begin spoilt the link)
+        self._yields += 1
         status = self._status_code()
+        if status > 599:
+            # llhttp takes any three digits: RFC 9110 §15 ends at 599, as the check below
+            # starts at 100.
+            self.broken = f"invalid reply: status {status}"
+            raise ValueError(self.broken)
         if status == 101:
             self.broken = SWITCHED
             raise ValueError(SWITCHED)
@@ -309,6 +349,7 @@ class ReplyParser:
             self.reusable = self._keeps_alive()
 
     def on_body(self, body: bytes) -> None:
+        self._yields += 1
         if self.complete:
             self.reusable = False  # body bytes after a HEAD reply: the link is out of step
             return
@@ -316,6 +357,7 @@ class ReplyParser:
         self.buffered += len(body)
 
     def on_message_complete(self) -> None:
+        self._yields += 1
         if self.complete:
             return  # the end of a HEAD reply, or of one nobody asked for: nothing to do
         if self._interim:

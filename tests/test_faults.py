@@ -21,6 +21,8 @@ import contextlib
 import dataclasses
 import json
 import secrets
+import socket
+import struct
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -39,6 +41,7 @@ from router_fixtures import (
     token,
     wait_until,
 )
+from test_metrics import scrape, series
 
 from router.config import (
     CookieSourceConfig,
@@ -95,10 +98,13 @@ class ScriptedWorker:
     """A worker on a loopback port that records each request byte for byte and answers
     every one with `reply` (closing the connection after it when `close`)."""
 
-    def __init__(self, worker_id: str, reply: bytes = OK_REPLY, *, close: bool = False) -> None:
+    def __init__(
+        self, worker_id: str, reply: bytes = OK_REPLY, *, close: bool = False, reset: bool = False
+    ) -> None:
         self.id = worker_id
         self.reply = reply
-        self.close_after_reply = close
+        self.close_after_reply = close or reset
+        self.reset_after_reply = reset  # closed with a reset (RST), not a FIN
         self.boot = secrets.token_hex(8)
         self.arrived: list[Arrived] = []
         self.connections = 0
@@ -147,6 +153,11 @@ class ScriptedWorker:
                 self.arrived.append(Arrived(head, body, decoded))
                 writer.write(self.reply)
                 await writer.drain()
+                if self.reset_after_reply:
+                    sock = writer.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    writer.transport.abort()
+                    break
                 if self.close_after_reply:
                     break
         except (
@@ -760,6 +771,44 @@ async def test_a_client_that_leaves_before_the_reply_head_frees_the_slot_within_
     conn.close()
 
     await _until_free(rig, "w0")
+
+
+async def test_a_worker_reset_in_a_reply_that_ends_at_close_is_no_clean_end(rig: Rig) -> None:
+    # A reply with no length ends when the worker closes; a reset is not that close: the
+    # client sees the reply cut (no last chunk), not a whole one.
+    router = await rig.start_router()
+    reply = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\npartial-body"
+    worker = await ScriptedWorker("w0", reply, reset=True).start(rig)
+    await worker.claim("ep-a0")
+    conn = await RawHttp.open(router.public_port)
+    try:
+        conn.send(request_bytes("GET", "/cut", [(TOKEN_HEADER, token("ep"))]))
+        everything = await conn.read_to_end()
+    finally:
+        conn.close()
+    assert everything.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"transfer-encoding: chunked" in everything.lower()
+    assert not everything.endswith(b"0\r\n\r\n")  # no clean end of the chunked body
+
+
+async def test_a_client_that_leaves_while_a_small_reply_is_read_frees_the_slot(
+    rig: Rig,
+) -> None:
+    # The reply's head is in, its 10 bytes never come: read whole before anything goes
+    # out (a small reply), so the client's leaving must end the wait too.
+    router = await rig.start_router()
+    worker = await ScriptedWorker("w0", b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n").start(rig)
+    await worker.claim("ep-a0")
+    conn = await RawHttp.open(router.public_port)
+    try:
+        conn.send(request_bytes("GET", "/short", [(TOKEN_HEADER, token("ep"))]))
+        await _hold_until_in_flight(rig, "w0")
+    finally:
+        conn.close()
+
+    await _until_free(rig, "w0")
+    requests = series(scrape(rig.router.metrics), "episode_router_requests_total")
+    assert requests == {"kind=episode,outcome=client_closed,status_class=4xx": 1}, requests
 
 
 async def test_a_client_that_leaves_mid_stream_frees_the_slot_and_the_gauge(rig: Rig) -> None:

@@ -150,8 +150,8 @@ class GymWorker:
     Test-only knobs, read from the request: `X-Test-Session-Id` fixes the id a seed or an
     MCP initialize creates (so two replies can be compared byte for byte), and
     `X-Test-Reply` frames the seed reply's body: `json` (Content-Length), `oversize`
-    (Content-Length, over the router's learning budget), `chunked`, `chunked-oversize`
-    or `gzip`.
+    (Content-Length, over the router's learning budget), `chunked`, `chunked-oversize`,
+    `gzip` or `stalled` (half the body, then silence).
     """
 
     def __init__(self, worker_id: str) -> None:
@@ -212,6 +212,12 @@ class GymWorker:
             body = gzip.compress(body, mtime=0)
             headers["Content-Encoding"] = "gzip"
         self.seed_bodies.append(body)
+        if mode == "stalled":  # half the body, then nothing until the test ends
+            response = web.StreamResponse(headers={**headers, "Content-Length": str(len(body))})
+            await response.prepare(request)
+            await response.write(body[: len(body) // 2])
+            await asyncio.sleep(60)
+            return response
         if not mode.startswith("chunked"):
             return web.Response(body=body, headers=headers)
         response = web.StreamResponse(headers=headers)
@@ -782,6 +788,27 @@ async def test_a_seed_reply_body_the_router_cannot_read_is_relayed_and_teaches_n
         assert_tool_reply(by_token, session, 2)
     else:
         by_token.assert_answer(401, "unknown_episode", sid)
+
+
+async def test_a_client_that_leaves_while_a_seed_reply_is_read_frees_the_worker(
+    rig: Rig,
+) -> None:
+    # The router reads the seed reply's body for the token it teaches; its client leaves
+    # meanwhile: the worker's connection is dropped at once, not read to its end.
+    await start(rig, 1, NEMO)
+    conn = await RawHttp.open(rig.router.public_port)
+    conn.send(
+        b"POST /seed_session HTTP/1.1\r\nHost: x\r\nX-Test-Reply: stalled\r\n"
+        b"Content-Length: 2\r\n\r\n{}"
+    )
+
+    async def in_flight(count: int) -> bool:
+        return (await rig.worker_views())["w0"]["in_flight"] == count
+
+    await wait_until(lambda: in_flight(1), "the seed to be in flight")
+    await asyncio.sleep(0.2)  # the head is in, the body half read
+    conn.close()
+    assert await wait_until(lambda: in_flight(0), "the slot to be free", 5.0) < 1.0
 
 
 # --- cookies and MCP ids as the workers read them ---------------------------------------------

@@ -9,6 +9,7 @@ from router.relay_parser import (
     CLOSED_BEFORE_REPLY,
     MAX_REPLY_FIELD,
     MAX_REPLY_HEAD,
+    MAX_REPLY_TRAILERS,
     SWITCHED,
     ReplyParser,
 )
@@ -181,6 +182,7 @@ def test_an_interim_reply_alone_is_no_head() -> None:
             "invalid reply: a transfer coding other than chunked",
         ),
         (b"HTTP/1.1 099 Odd\r\nContent-Length: 0\r\n\r\n", "invalid reply: status 99"),
+        (b"HTTP/1.1 999 Weird\r\nContent-Length: 0\r\n\r\n", "invalid reply: status 999"),
     ],
 )
 def test_an_invalid_reply_head_breaks_the_reply(data: bytes, broken: str) -> None:
@@ -193,6 +195,42 @@ def test_a_reply_head_is_bounded_in_all() -> None:
     reply = parse(b"HTTP/1.1 200 OK\r\n" + b"X: 1234567890\r\n" * (MAX_REPLY_HEAD // 15 + 1))
     assert reply.broken == "invalid reply: a reply head over 256 KiB"
     assert not reply.head_done
+
+
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n"
+
+
+def test_a_trailer_field_that_never_ends_breaks_the_reply_past_a_line() -> None:
+    reply = parse(CHUNKED_HEAD + b"X-T: ")
+    for _ in range(MAX_REPLY_FIELD // 4096):  # as a worker streaming it would
+        reply.feed(b"a" * 4096)
+        assert reply.broken is None
+    reply.feed(b"a" * 4096)
+    assert reply.broken == "invalid reply: a chunk or trailer line over 64 KiB"
+    assert (reply.complete, reply.reusable) == (False, False)
+
+
+def test_trailer_fields_past_their_count_break_the_reply() -> None:
+    fine = parse(CHUNKED_HEAD + b"X-T: a\r\n" * MAX_REPLY_TRAILERS + b"\r\n")
+    assert (fine.complete, fine.broken, fine.peek_body()) == (True, None, b"hello")
+    over = parse(CHUNKED_HEAD + b"X-T: a\r\n" * (MAX_REPLY_TRAILERS + 1) + b"\r\n")
+    assert over.broken == "invalid reply: trailer fields over the limits"
+
+
+def test_a_long_body_in_many_reads_is_no_stall() -> None:
+    reply = parse(b"HTTP/1.1 200 OK\r\nContent-Length: 1048576\r\n\r\n")
+    for _ in range(256):
+        reply.feed(b"b" * 4096)
+    assert (reply.complete, reply.broken, reply.buffered) == (True, None, 1 << 20)
+
+
+def test_a_reset_breaks_even_a_reply_that_ends_at_close() -> None:
+    reply = parse(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\npartial")
+    reply.feed_reset("its connection broke (reset)")
+    assert (reply.complete, reply.broken) == (False, "its connection broke (reset)")
+    whole = parse(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    whole.feed_reset("its connection broke (reset)")
+    assert (whole.complete, whole.broken, whole.reusable) == (True, None, False)
 
 
 def test_a_body_ended_by_close() -> None:
