@@ -318,13 +318,21 @@ class ClaimTable:
             gone += 1
         return gone
 
-    def expire_idle_learned(self, now: float, idle_ttl_s: float) -> int:
-        """End learned claims unused for `idle_ttl_s` (their workers never release)."""
+    def expire_idle_learned(self, now: float, idle_ttl_s: float) -> list[Claim]:
+        """End learned claims unused for `idle_ttl_s` (their workers never release);
+        returns them."""
         cutoff = now - idle_ttl_s
         idle = [c for c in self._learned.claims if c.state is _HELD and c.last_used <= cutoff]
         for claim in idle:
             self._end(claim, _ENDED, now)
-        return len(idle)
+        return idle
+
+    def renew_learned(self, now: float) -> None:
+        """Every held learned claim counts as used at `now` (after a journal's replay:
+        uses are not journaled, so a claim's last use before the restart is unknown)."""
+        for claim in self._learned.claims:
+            if claim.state is _HELD:
+                claim.last_used = now
 
     def restore_tombstone(
         self, kind: str, key: str, worker: str, state: ClaimState, made_at: float

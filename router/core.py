@@ -345,7 +345,9 @@ class RouterCore:
                 self.retire(worker, now)
                 result.exited.append(worker)
         self.claims.expire(now)
-        self.claims.expire_idle_learned(now, self.settings.learned_idle_ttl_s)
+        for claim in self.claims.expire_idle_learned(now, self.settings.learned_idle_ttl_s):
+            # Journaled as a release: replayed, it must not come back held.
+            self.journal.release(claim.kind, claim.key, claim.worker)
         if self._recovery_ends_at is not None and now >= self._recovery_ends_at:
             result.exited.extend(self._end_recovery(now))
             result.recovery_ended = True

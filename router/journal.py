@@ -261,6 +261,10 @@ def replay(core: RouterCore, lines: Iterable[bytes], mono_now: float, wall_now: 
             _apply(core, record, mono_now - max(0.0, wall_now - float(record.get("t", wall_now))))
         except (ValueError, TypeError, KeyError, AttributeError):
             bad += 1
+    # A learned claim's uses are not journaled (a write per request): read back, its
+    # last use is its learning, and one in use all along would end at the first tick.
+    # Each gets a whole idle TTL from the restart instead.
+    core.claims.renew_learned(mono_now)
     for worker in core.workers:
         if worker.origin is WorkerOrigin.JOURNAL and worker.state is WorkerState.LIVE:
             core.lose(worker, mono_now)

@@ -250,8 +250,8 @@ def test_idle_learned_claims_end_after_the_idle_ttl_and_use_keeps_them() -> None
         C("c"): "held w0",
     }
 
-    assert table.expire_idle_learned(99.999, idle_ttl_s=100.0) == 0
-    assert table.expire_idle_learned(100.0, idle_ttl_s=100.0) == 1
+    assert len(table.expire_idle_learned(99.999, idle_ttl_s=100.0)) == 0
+    assert len(table.expire_idle_learned(100.0, idle_ttl_s=100.0)) == 1
     assert state(table) == {
         C("a"): "ended w0 learned",
         C("b"): "held w0 learned",
@@ -259,8 +259,8 @@ def test_idle_learned_claims_end_after_the_idle_ttl_and_use_keeps_them() -> None
     }
     assert table.claim("episode", "a", "w0", 101.0) == ClaimRefusal("ended")
 
-    assert table.expire_idle_learned(150.0, idle_ttl_s=100.0) == 1
-    assert table.expire_idle_learned(10_000.0, idle_ttl_s=100.0) == 0
+    assert len(table.expire_idle_learned(150.0, idle_ttl_s=100.0)) == 1
+    assert len(table.expire_idle_learned(10_000.0, idle_ttl_s=100.0)) == 0
     assert state(table) == {
         C("a"): "ended w0 learned",
         C("b"): "ended w0 learned",
@@ -360,7 +360,7 @@ def test_learned_claims_that_ended_otherwise_are_not_expired_again() -> None:
     table.claim("episode", "c", "w1", 0.0, learned=True)
     table.release("episode", "a", "w0", 1.0)
     assert table.worker_exited("w0", 2.0) == 1
-    assert table.expire_idle_learned(10_000.0, idle_ttl_s=100.0) == 1
+    assert len(table.expire_idle_learned(10_000.0, idle_ttl_s=100.0)) == 1
     assert state(table) == {
         C("a"): "ended w0 learned",
         C("b"): "exited w0 learned",
@@ -368,4 +368,4 @@ def test_learned_claims_that_ended_otherwise_are_not_expired_again() -> None:
     }
     since = [c.since for c in table.tombstones()]
     assert since == [1.0, 2.0, 10_000.0]
-    assert table.expire_idle_learned(20_000.0, idle_ttl_s=100.0) == 0
+    assert len(table.expire_idle_learned(20_000.0, idle_ttl_s=100.0)) == 0

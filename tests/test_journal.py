@@ -278,3 +278,39 @@ def test_journal_lines_are_plain_json_one_per_change(tmp_path: Path) -> None:
         ("claim", "a"),
     ]
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_learned_claim_in_use_before_a_restart_gets_a_whole_idle_ttl_after_it(
+    tmp_path: Path,
+) -> None:
+    # Its uses are not journaled: read back, it would look idle since it was learned.
+    path = tmp_path / "journal"
+    core, journal = run_with_journal(path)
+    w0 = core.register("w0", "http://127.0.0.1:9001", WorkerOrigin.CONTROL, 0.0, "b0")
+    assert core.learn(w0, "episode", "cookie-1", 0.0) is None
+    journal.close()
+    ttl = SETTINGS.learned_idle_ttl_s
+
+    replayed = restart(path, mono_now=2 * ttl, wall_now=WALL0 + 2 * ttl)
+    replayed.register("w0", "http://127.0.0.1:9001", WorkerOrigin.CONTROL, 2 * ttl, "b0")
+
+    replayed.tick(2 * ttl + ttl / 2)
+    claim = replayed.claims.lookup("episode", "cookie-1")
+    assert claim is not None and claim.state is ClaimState.HELD
+    replayed.tick(3 * ttl)
+    assert claim.state is ClaimState.ENDED  # idle a whole TTL since the restart
+
+
+def test_a_learned_claim_ended_for_idleness_stays_ended_after_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "journal"
+    core, journal = run_with_journal(path)
+    w0 = core.register("w0", "http://127.0.0.1:9001", WorkerOrigin.CONTROL, 0.0, "b0")
+    assert core.learn(w0, "episode", "cookie-1", 0.0) is None
+    core.tick(SETTINGS.learned_idle_ttl_s)
+    assert core.claims.lookup("episode", "cookie-1").state is ClaimState.ENDED
+    journal.close()
+
+    replayed = restart(path, mono_now=1.0, wall_now=WALL0 + 1.0)
+
+    claim = replayed.claims.lookup("episode", "cookie-1")
+    assert claim is not None and claim.state is ClaimState.ENDED
