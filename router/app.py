@@ -324,7 +324,13 @@ class PublicHandler:
             return None
         request = exchange.request
         plan = plan_learning(
-            reader, request.method, exchange.path, exchange.found, exchange.seeding, request
+            reader,
+            request.method,
+            exchange.path,
+            exchange.found,
+            exchange.seeding,
+            request,
+            self._wall_clock(),
         )
         if not plan:
             return None

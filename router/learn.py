@@ -53,14 +53,26 @@ def plan_learning(
     found: SessionRef | None,
     seeding: frozenset[str],
     headers: Headers,
+    now: float,
 ) -> LearningPlan:
-    """What to watch in the reply to `method path`, which named session `found`."""
+    """What to watch in the reply to `method path`, which named session `found`; `now`
+    (wall-clock seconds) reads a close route's own session (read_kind)."""
     seed = tuple(reader.by_name[name] for name in sorted(seeding))
     close = None
     if found is not None:
         kind = reader.by_name[found.kind]
         if kind.close is not None and kind.close.matches(method, path):
             close = found
+    if close is None:
+        # A close route of a kind that did not decide the request: a stronger source
+        # routed it (the episode token travels beside the cookie). The session it ends
+        # is named by the kind's own source, as an MCP DELETE's is by its header.
+        for kind in reader.kinds:
+            if kind.close is not None and kind.close.matches(method, path):
+                own = reader.read_kind(kind, headers, now)
+                if isinstance(own, SessionRef):
+                    close = own
+                    break
     mcp = next((k for k in reader.kinds if k.mcp_path is not None and k.mcp_path == path), None)
     mcp_release = None
     if mcp is not None and method == "DELETE":

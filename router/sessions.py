@@ -222,6 +222,20 @@ class SessionReader:
                 return self._decide(kind, values, now)
         return None
 
+    def read_kind(
+        self, kind: SessionKind, headers: Headers, now: float
+    ) -> SessionRef | Answer | None:
+        """`kind`'s own source in the head (its header or cookie) read as read_head reads
+        it, whatever stronger source decided the request; None for a kind read from the
+        body or the path, or when the request does not carry it."""
+        if kind not in self._order.head:
+            return None
+        if kind.source == "cookie":
+            values = parse_cookie_header(headers.getall("Cookie", [])).get(kind.cookie or "", [])
+        else:
+            values = headers.getall(kind.header or "", [])
+        return self._decide(kind, values, now) if values else None
+
     def read_body(
         self, body: bytes, skip: frozenset[str] = frozenset()
     ) -> SessionRef | Answer | None:

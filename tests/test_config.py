@@ -455,7 +455,7 @@ def test_seed_learn_defaults_are_filled_in() -> None:
     ]
 
 
-def test_close_routes_are_shared_and_any_kind_may_have_one() -> None:
+def test_close_routes_are_shared_and_any_kind_but_a_path_one_may_have_one() -> None:
     text = sessions(
         "{name: a, cookie: {name: a}, close: {method: POST, path: /close}}",
         "{name: b, body_field: id, close: {method: post, path: /close}}",
@@ -487,7 +487,6 @@ def test_the_example_file_commented_kinds_parse() -> None:
         "rollout_path",
         path=PathSourceConfig("/rollouts/{key}/stop"),
         seed=RouteConfig("POST", "/rollouts", LearnConfig(header="X-Rollout-Id")),
-        close=RouteConfig("POST", "/rollouts/close"),
     )
     assert len(config.sessions) == 7
 
@@ -628,6 +627,11 @@ BAD: dict[str, Bad] = {
     ),
     "url without port": Bad(
         "workers: [{id: w, url: 'http://h'}]", "workers[0].url", "expected http://"
+    ),
+    "close route on a path kind": Bad(
+        "sessions: [{name: p, path: '/r/{key}/step', close: {method: POST, path: /r/close}}]",
+        "sessions[0].close",
+        "a path kind's key is in its path pattern, which no exact close route matches",
     ),
     "url with path": Bad(
         "workers: [{id: w, url: 'http://h:1/'}]", "workers[0].url", "expected http://"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -178,7 +179,9 @@ def plan_for(
     sent: CIMultiDict[str] = CIMultiDict(headers or {})
     if found is not None and found.kind == "mcp_session" and "Mcp-Session-Id" not in sent:
         sent["Mcp-Session-Id"] = found.key
-    return plan_learning(READER, method, path, found, READER.seeding(method, path), sent)
+    return plan_learning(
+        READER, method, path, found, READER.seeding(method, path), sent, time.time()
+    )
 
 
 SEED = plan_for("POST", "/seed_session")
@@ -207,6 +210,17 @@ def test_a_close_route_plans_releasing_the_session_it_names() -> None:
     assert not plan_for("POST", "/close_session")
     assert not plan_for("POST", "/close_session", SessionRef("episode", "ep1-a0"))
     assert not plan_for("GET", "/close_session", found)
+
+
+def test_a_close_route_routed_by_a_stronger_source_ends_the_session_its_own_source_names() -> None:
+    # The episode token decided where the request went; the cookie beside it names the
+    # session the close ends, as an MCP DELETE's own header does.
+    with_cookie = {"Cookie": f"{COOKIE}={starlette_cookie('s1')}"}
+    by_token = SessionRef("episode", "ep1-a0")
+    assert plan_for("POST", "/close_session", by_token, with_cookie) == LearningPlan(
+        close=SessionRef("resources", "s1")
+    )
+    assert not plan_for("POST", "/close_session", by_token, {"Cookie": f"{COOKIE}=not-signed"})
 
 
 def test_the_mcp_path_plans_learning_and_a_delete_there_plans_the_release() -> None:
@@ -240,7 +254,9 @@ def test_other_routes_plan_nothing(method: str, path: str, found: SessionRef | N
 def test_a_reader_with_no_seed_close_or_mcp_kind_plans_nothing_anywhere() -> None:
     reader = SessionReader([kind_from_config(KINDS[0])])
     assert not reader.learns
-    assert not plan_learning(reader, "POST", "/seed_session", None, frozenset(), CIMultiDict())
+    assert not plan_learning(
+        reader, "POST", "/seed_session", None, frozenset(), CIMultiDict(), time.time()
+    )
 
 
 # ============================================================================ seeds

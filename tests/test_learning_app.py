@@ -607,6 +607,26 @@ async def test_an_mcp_delete_that_also_carries_the_episode_token_releases_the_se
     assert (await session_view(rig, "mcp_session", sid))["state"] == "episode_ended"
 
 
+async def test_a_close_that_also_carries_the_episode_token_ends_the_cookie_session(
+    rig: Rig,
+) -> None:
+    # The token routes the close (DESIGN §7: it travels on every request); the cookie
+    # beside it names the session the close ends, with the MCP token its seed taught.
+    await start(rig, 1, kinds("episode", "resources", "mcp_token"))
+    worker = rig.router.core.workers.get("w0")
+    assert worker is not None
+    assert rig.router.core.claim(worker, "episode", "ep1-a0", time.monotonic()) is None
+    episode = {TOKEN_HEADER: token("ep1")}
+    session = await seed(rig, episode)
+
+    closed = await rig.request("POST", "/close_session", headers={**episode, **session.with_cookie})
+
+    assert closed.status == 200
+    assert (await session_view(rig, "resources", session.sid))["state"] == "episode_ended"
+    assert (await session_view(rig, "mcp_token", session.sid))["state"] == "episode_ended"
+    assert (await session_view(rig, "episode", "ep1-a0"))["state"] == "held"
+
+
 # ============================================================================ bodies and paths
 
 

@@ -175,6 +175,13 @@ def _session_kind(sec: _Section) -> SessionKindConfig:
         path=_path_source(sec) if source == "path" else None,
         unclaimed=sec.choice("unclaimed", "reject", ("reject", "forward")),
     )
+    if source == "path" and sec.has("close"):
+        # The key is read from the path pattern, and a close route is one exact path:
+        # no request to it could name the session it should end.
+        raise sec.fail(
+            "close",
+            "a path kind's key is in its path pattern, which no exact close route matches",
+        )
     return dataclasses.replace(kind, seed=_seed(sec, kind), close=_close(sec))
 
 
