@@ -155,8 +155,8 @@ def starlette_session_key(
     with it, the signature must verify with `signature.key` and, when
     `signature.max_age_s` is set, the cookie must be signed at most that many
     seconds before `now` (wall-clock seconds, as SessionMiddleware counts).
-    Raises `FormatError`: `invalid_token` for a malformed cookie or field,
-    `bad_signature` for a forged or expired one.
+    Raises `FormatError`: `invalid_token` for a malformed or expired cookie or field,
+    `bad_signature` for a forged one.
     """
     if len(cookie_value) > MAX_VALUE_CHARS:
         raise _invalid(f"The session cookie is longer than {MAX_VALUE_CHARS} characters.")
@@ -187,10 +187,12 @@ def _check_timestamp_signature(value: str, signature: SignatureConfig, now: floa
         return
     # itsdangerous' own rule, with an injected clock: whole seconds, and never from the future.
     age = int(now) - int(signed_at.timestamp())
+    # A genuine signature on a cookie out of its time is no forgery: 401 invalid_token,
+    # as an expired episode token is (DESIGN §1: malformed, wrong types, expired).
     if age > signature.max_age_s:
-        raise _forged(f"The session cookie expired: signed {age} s ago.")
+        raise _invalid(f"The session cookie expired: signed {age} s ago.")
     if age < 0:
-        raise _forged("The session cookie is signed in the future.")
+        raise _invalid("The session cookie is signed in the future.")
 
 
 # ---------------------------------------------------------------------------- itsdangerous

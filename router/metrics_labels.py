@@ -38,7 +38,7 @@ NAMESPACE: Final = "episode_router"  # every metric's name starts with it and "_
 SESSIONLESS: Final = "none"  # the `kind` label of a request that names no session
 OTHER: Final = "other"  # any label value outside its fixed set
 FORWARDED: Final = "forwarded"
-CLIENT_CLOSED: Final = "client_closed"  # the client left before its reply (status 499)
+CLIENT_CLOSED: Final = "client_closed"  # the client left before its reply head (499)
 STATUS_CLASSES: Final = ("1xx", "2xx", "3xx", "4xx", "5xx")
 # The control protocol's ops (DESIGN §3); any other op string is counted as "invalid".
 CONTROL_OPS: Final = ("hello", "claim", "release", "sync", "drain", "bye", "ping")
