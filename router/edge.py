@@ -160,8 +160,11 @@ class EdgeConnection(ParsingConnection):
             # A head began and did not end in this read, or the read began no head,
             # ended no message, was no body and not only line breaks: the start of a
             # request line (llhttp calls back from its target on). The head's clock
-            # starts now, and runs on past the request being handled (_dispatch).
-            self._set_deadline(self._time() + self._head_timeout_s(), HEAD_DEADLINE)
+            # starts now, and runs on past the request being handled (_dispatch);
+            # unless reading is paused (a kept rest parsed meanwhile): it starts when
+            # reading does again (_update_reading).
+            if not self._reading_paused:
+                self._set_deadline(self._time() + self._head_timeout_s(), HEAD_DEADLINE)
         else:
             # A body that spans reads: each read moves its clock (a later deadline is
             # only stored), and a client silent for longer gets 408. A body that came

@@ -77,6 +77,7 @@ class ClockedConnection(asyncio.Protocol):
         "_pipeline_full",
         "_reading_paused",
         "_receiving",
+        "_send_buffered",
         "_send_timer",
         "_stopped",
         "_time",
@@ -111,6 +112,7 @@ class ClockedConnection(asyncio.Protocol):
         # Runs while writing is paused: a client that takes nothing for idle_timeout_s
         # is dropped (pause_writing). Paused writes are rare: no cost per request.
         self._send_timer: asyncio.TimerHandle | None = None
+        self._send_buffered = 0  # unsent bytes when it was armed, or last found moving
         # One timer per connection, moved lazily: setting a later deadline only stores it
         # (the timer re-arms itself when it fires early), so a kept-alive connection
         # costs no timer call per request.
@@ -142,11 +144,16 @@ class ClockedConnection(asyncio.Protocol):
         if pause and not self._reading_paused:
             self._reading_paused = True
             transport.pause_reading()
-            if self._deadline_kind == BODY_DEADLINE:
-                self._set_deadline(None, 0)  # not the client's silence while not read
+            kind = self._deadline_kind
+            if kind in (BODY_DEADLINE, HEAD_DEADLINE):
+                # Not the client's silence while it is not read: a head cut at a read's
+                # end waited out the head's time behind replies the client was taking.
+                self._set_deadline(None, 0)
         elif not pause and self._reading_paused:
             self._reading_paused = False
             transport.resume_reading()
+            if self._in_head:
+                self._set_deadline(self._time() + self._head_timeout_s(), HEAD_DEADLINE)
             self._restart_body_clock()
 
     def _restart_body_clock(self) -> None:

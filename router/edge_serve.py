@@ -17,7 +17,11 @@ It never parses a request and never decides where one goes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
+import sys
+import termios
 from collections.abc import Awaitable, Callable
 from typing import Final
 
@@ -374,12 +378,37 @@ class ServingConnection(ClockedConnection):
         self._write_paused = True
         self._update_reading()
         if self._send_timer is None:
+            self._send_buffered = self._unsent()
             self._send_timer = self._loop.call_later(
                 self._limits.idle_timeout_s, self._send_stalled
             )
 
+    def _unsent(self) -> int:
+        """Bytes written for the client and not yet taken: the transport's buffer and the
+        kernel's send queue (TIOCOUTQ, Linux). The kernel wakes a writer only once a
+        third of its large buffer is free, so the transport's alone stood still for
+        seconds while a slow client read on; where the ioctl fails, it is all there is."""
+        transport = self.transport
+        if transport is None:
+            return 0
+        unsent = transport.get_write_buffer_size()
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):
+                queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+                unsent += int.from_bytes(queued, sys.byteorder, signed=True)
+        return unsent
+
     def _send_stalled(self) -> None:
         self._send_timer = None
+        unsent = self._unsent()
+        if unsent < self._send_buffered:
+            # It took some since (still above the low-water mark): slow, not stopped.
+            self._send_buffered = unsent
+            self._send_timer = self._loop.call_later(
+                self._limits.idle_timeout_s, self._send_stalled
+            )
+            return
         log.debug("dropped a client that took none of its replies in time")
         self.abort()
 

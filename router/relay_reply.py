@@ -66,8 +66,10 @@ async def _copy_body(request: PublicRequest, conn: WorkerConnection, idle_s: flo
     try:
         async with asyncio.timeout(None) as idle:
             while True:
-                # One deadline per chunk covers reading it and writing it on: a stall on
-                # either side (a silent worker, a client that stopped reading) ends it.
+                # The deadline covers the worker's silence only. A client slower than the
+                # reply is the edge's to judge (pause_writing: dropped after
+                # idle_timeout_s with nothing taken): one reading slowly but steadily
+                # was cut here, and the worker blamed for it.
                 idle.reschedule(loop.time() + idle_s)
                 while not reply.chunks:
                     if reply.complete:
@@ -78,6 +80,7 @@ async def _copy_body(request: PublicRequest, conn: WorkerConnection, idle_s: flo
                         return CLIENT_GONE
                     if await conn.wait(None) == INTERRUPTED:
                         return CLIENT_GONE
+                idle.reschedule(None)
                 # Written as it arrives, never held back: SSE events go out at once
                 # (what arrived together goes out together).
                 client.reply_write(conn.take_body())

@@ -719,3 +719,37 @@ async def test_a_large_read_of_pipelined_requests_queues_a_slice_of_it_not_all()
         conn.close()
         server.close()
         await edge.shutdown(0.5)
+
+
+async def test_a_client_that_reads_its_replies_slowly_is_not_dropped() -> None:
+    # It takes less than the router writes, but never nothing for idle_timeout_s: slow,
+    # not stopped (nginx's send_timeout counts from the last byte taken, too).
+    requests = 60_000
+    edge, client, sender, server = await pipelined_unread(
+        EdgeLimits(idle_timeout_s=0.5), requests, 0.1
+    )
+    loop = asyncio.get_running_loop()
+    status_line, answered, tail = b"HTTP/1.1 503 ", 0, b""
+    try:
+        for _ in range(20):  # 2 s, four times the idle timeout: 16 KiB every 0.1 s
+            read = await loop.sock_recv(client, 16384)
+            assert read, "the router closed the connection"
+            chunk = tail + read
+            answered += chunk.count(status_line)
+            tail = chunk[1 - len(status_line) :]
+            await asyncio.sleep(0.1)
+        assert len(edge.connections) == 1  # still served
+        async with asyncio.timeout(30):
+            while answered < requests:
+                read = await loop.sock_recv(client, 1 << 16)
+                assert read, f"the router closed the connection after {answered} answers"
+                chunk = tail + read
+                answered += chunk.count(status_line)
+                tail = chunk[1 - len(status_line) :]
+        await sender
+        assert answered == requests
+    finally:
+        sender.cancel()
+        client.close()
+        server.close()
+        await edge.shutdown(0.5)
