@@ -19,6 +19,7 @@ restart restores those claims.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -58,6 +59,7 @@ class JournalFile:
         self.path = path
         self._clock = clock  # wall clock: tombstone ages must survive a restart
         self._fd: int | None = None
+        self._lock_fd: int | None = None  # the held lock file (lock)
         self._lines = 0
         self._held: list[bytes] | None = None  # lines appended since hold(), until flush()
         self.write_errors = 0
@@ -100,6 +102,30 @@ class JournalFile:
 
     # -- I/O -----------------------------------------------------------------
 
+    def lock(self) -> None:
+        """Take the journal for this process: an exclusive lock on `<path>.lock`, held
+        until close. Raises OSError naming the path when another process holds it.
+
+        The journal file itself is replaced by each compaction (a rename), so it cannot
+        carry the lock. Two routers on one state.path (another control socket, say)
+        compacted over each other's file: a failed second start left the live router
+        appending to a deleted file, and ended episodes came back unknown after its
+        restart."""
+        lock_path = f"{self.path}.lock"
+        os.makedirs(os.path.dirname(os.path.abspath(lock_path)), exist_ok=True)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OSError(
+                f"state.path {self.path}: another router uses this journal ({lock_path} is locked)"
+            ) from None
+        except OSError:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+
     def read(self) -> list[bytes]:
         """Every line of the journal as it is on disk (empty if there is none)."""
         try:
@@ -134,7 +160,7 @@ class JournalFile:
             raise
         # The snapshot's own descriptor goes on appending: it is the file now at the
         # path, and no second open can fail after the rename and leave none.
-        self.close()
+        self._close_appending()
         self._fd = fd
         self._lines = len(records)
 
@@ -169,6 +195,14 @@ class JournalFile:
         return self._lines > max(COMPACT_MIN_LINES, 2 * live_records)
 
     def close(self) -> None:
+        """Stop appending, and let the journal go (its lock)."""
+        self._close_appending()
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)  # the lock goes with it
+            self._lock_fd = None
+
+    def _close_appending(self) -> None:
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)

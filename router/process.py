@@ -53,10 +53,23 @@ async def run_until_signalled(service: RouterService) -> None:
     try:
         await stop.wait()
     finally:
+        # A signal while stopping (a second SIGTERM from an orchestrator, Ctrl-C twice,
+        # a SIGHUP) changes nothing: with the defaults put back first, one killed the
+        # router mid-stop, its in-flight requests cut, its spawned workers orphaned and
+        # its socket file left. The stop is bounded anyway (shutdown_grace_s, then
+        # spawn.stop_timeout_s).
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            with contextlib.suppress(Exception):
-                loop.remove_signal_handler(signum)
-        await service.stop()
+            loop.add_signal_handler(signum, _already_stopping, signum)
+        try:
+            await service.stop()
+        finally:
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                with contextlib.suppress(Exception):
+                    loop.remove_signal_handler(signum)
+
+
+def _already_stopping(signum: signal.Signals) -> None:
+    log.warning("signal ignored: the router is already stopping", extra={"signal": signum.name})
 
 
 def _reload_on_signal(service: RouterService) -> None:

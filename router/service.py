@@ -182,11 +182,16 @@ class RouterService:
     def _open_journal(self, path: str) -> None:
         """Replay the previous run's journal, then start a fresh one from the result."""
         journal = JournalFile(path, clock=time.time)
-        lines = journal.read()
-        bad = replay(self.core, lines, self._clock(), time.time())
-        if bad:
-            log.warning("journal lines skipped", extra={"path": path, "bad_lines": bad})
-        journal.compact(self.core, self._clock())
+        journal.lock()  # before it is read: another router's journal is not this one's
+        try:
+            lines = journal.read()
+            bad = replay(self.core, lines, self._clock(), time.time())
+            if bad:
+                log.warning("journal lines skipped", extra={"path": path, "bad_lines": bad})
+            journal.compact(self.core, self._clock())
+        except BaseException:
+            journal.close()  # and its lock
+            raise
         self.core.journal = journal
         self.journal = journal
         log.info(

@@ -314,3 +314,20 @@ def test_a_learned_claim_ended_for_idleness_stays_ended_after_a_restart(tmp_path
 
     claim = replayed.claims.lookup("episode", "cookie-1")
     assert claim is not None and claim.state is ClaimState.ENDED
+
+
+def test_one_journal_is_taken_by_one_process_at_a_time(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "journal"
+    first = JournalFile(str(path), clock=Clock(WALL0))
+    first.lock()
+    first.compact(RouterCore(SETTINGS, 0.0), 0.0)  # the file is replaced; the lock stays
+    second = JournalFile(str(path), clock=Clock(WALL0))
+    try:
+        second.lock()
+    except OSError as exc:
+        assert "another router uses this journal" in str(exc) and str(path) in str(exc)
+    else:
+        raise AssertionError("a second lock on one journal was granted")
+    first.close()
+    second.lock()  # free again once its holder let go
+    second.close()

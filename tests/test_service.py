@@ -8,6 +8,7 @@ silent or breaks off; the worker's HTTP side stays up unless the test closes it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shlex
@@ -236,6 +237,29 @@ async def test_a_second_router_that_cannot_start_leaves_the_live_journal_alone(
 
     assert b"before-a0" in journal.read_bytes()
     assert b"after-a0" in journal.read_bytes()
+
+
+async def test_a_second_router_on_another_socket_but_the_same_journal_is_refused(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # Its own control socket binds: the journal's lock is what keeps them apart.
+    journal = tmp_path / "journal"
+    config = router_config(tmp_path, state=StateConfig(path=str(journal)))
+    await rig.start_router(config)
+    worker = await rig.add_worker("w0", lease="raw")
+    await worker.claim("before-a0")
+    inode = journal.stat().st_ino
+
+    other_socket = dataclasses.replace(config.control, socket=f"unix:{tmp_path}/other.sock")
+    second = RouterService(dataclasses.replace(config, control=other_socket))
+    with pytest.raises(OSError, match="another router uses this journal"):
+        await second.start()
+    await second.stop()
+    await worker.claim("after-a0")  # the live router journals it, in the same file
+
+    assert journal.stat().st_ino == inode
+    assert b"before-a0" in journal.read_bytes() and b"after-a0" in journal.read_bytes()
+    assert not (tmp_path / "other.sock").exists()
 
 
 @pytest.mark.parametrize("taken", ["listen", "admin"])

@@ -260,7 +260,9 @@ async def test_sigterm_lets_the_request_in_flight_finish(launcher: Launcher, htt
         await asyncio.sleep(0.02)
 
     router.process.signal(signal.SIGTERM)
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.1)
+    router.process.signal(signal.SIGTERM)  # a second one changes nothing
+    await asyncio.sleep(0.1)
     try:
         late = await call_tool(http, router.base_url, episode, "get", None)
     except aiohttp.ClientConnectionError:

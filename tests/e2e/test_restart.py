@@ -290,6 +290,9 @@ async def test_spawned_workers_route_restart_and_stop_with_the_router(
         assert_router_answer(reply, 410, "worker_exited", episode.key)
 
     router.process.signal(signal.SIGTERM)
+    await asyncio.sleep(0.1)
+    for again in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # as impatient callers do
+        router.process.signal(again)
     exit_code = await asyncio.to_thread(router.process.wait, SPAWN_STOP_TIMEOUT_S + 5.0)
     assert exit_code == 0, router.process.tail()
     assert not [w for w, pid in respawned.items() if pid_alive(pid)], "spawned workers outlived it"
