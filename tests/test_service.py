@@ -38,7 +38,6 @@ from router_fixtures import (
 from router import journal as journal_module
 from router import spawn as spawn_module
 from router.config import AdminConfig, ListenConfig, SpawnConfig, StateConfig
-from router.control_server import ControlSocketInUse
 from router.service import RouterService
 
 pytestmark = pytest.mark.timeout(30)
@@ -221,28 +220,11 @@ async def test_a_journaled_worker_that_never_comes_back_exits_when_recovery_ends
     )
 
 
-async def test_a_second_router_that_cannot_start_leaves_the_live_journal_alone(
-    rig: Rig, tmp_path: Path
+@pytest.mark.parametrize("same_socket", [True, False])
+async def test_a_second_router_on_the_same_journal_is_refused_and_leaves_it_alone(
+    rig: Rig, tmp_path: Path, same_socket: bool
 ) -> None:
-    journal = tmp_path / "journal"
-    config = router_config(tmp_path, state=StateConfig(path=str(journal)))
-    await rig.start_router(config)
-    worker = await rig.add_worker("w0", lease="raw")
-    await worker.claim("before-a0")
-
-    second = RouterService(config)
-    with pytest.raises(ControlSocketInUse):
-        await second.start()
-    await worker.claim("after-a0")  # the live router journals it
-
-    assert b"before-a0" in journal.read_bytes()
-    assert b"after-a0" in journal.read_bytes()
-
-
-async def test_a_second_router_on_another_socket_but_the_same_journal_is_refused(
-    rig: Rig, tmp_path: Path
-) -> None:
-    # Its own control socket binds: the journal's lock is what keeps them apart.
+    # On the same control socket it fails there; on another, the journal's lock stops it.
     journal = tmp_path / "journal"
     config = router_config(tmp_path, state=StateConfig(path=str(journal)))
     await rig.start_router(config)
@@ -250,9 +232,13 @@ async def test_a_second_router_on_another_socket_but_the_same_journal_is_refused
     await worker.claim("before-a0")
     inode = journal.stat().st_ino
 
-    other_socket = dataclasses.replace(config.control, socket=f"unix:{tmp_path}/other.sock")
-    second = RouterService(dataclasses.replace(config, control=other_socket))
-    with pytest.raises(OSError, match="another router uses this journal"):
+    if same_socket:
+        second, refusal = RouterService(config), "another process listens"
+    else:
+        other_socket = dataclasses.replace(config.control, socket=f"unix:{tmp_path}/other.sock")
+        second = RouterService(dataclasses.replace(config, control=other_socket))
+        refusal = "another router uses this journal"
+    with pytest.raises(OSError, match=refusal):
         await second.start()
     await second.stop()
     await worker.claim("after-a0")  # the live router journals it, in the same file
