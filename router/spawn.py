@@ -66,7 +66,7 @@ __all__ = [
     "restart_delay",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("episode_router.spawn")  # under the router's own logging
 
 GROUP_POLL_S = 0.05  # how often stop() checks that a group's last member is gone
 KILL_WAIT_S = 5.0  # after SIGKILL only uninterruptible sleep can delay an exit; don't hang on it
@@ -98,8 +98,10 @@ class Spawner:
         self.spec = spec
         self.workers = plan_workers(spec)
         self._on_exit = on_exit
-        # The pid of a worker adopted from a previous run (we have no Process for it).
+        # The pid of a worker adopted from a previous run (we have no Process for it),
+        # from its control connection; the last one seen, for when that is down.
         self._adopted_pid = adopted_pid
+        self._adopted_seen: dict[str, int] = {}
         self._argv = {w.worker_id: render_command(spec, w) for w in self.workers}
         self._control_address = control_address
         self._extra_env = dict(extra_env or {})
@@ -213,8 +215,13 @@ class Spawner:
         """
         said = False
         while not self._stopping.is_set() and await _port_listening(self.spec.host, worker.port):
+            pid = self._adopted_pid(worker.worker_id)
+            if pid is not None:
+                self._adopted_seen[worker.worker_id] = pid  # kept: its lease may be down at stop
             if not said:
-                logger.info(
+                # A warning: on a first start this is a process the router did not start
+                # (a stale worker, or anything else), and it takes the worker's place.
+                logger.warning(
                     "spawn: worker %s: port %d in use, adopting the process there",
                     worker.worker_id,
                     worker.port,
@@ -227,7 +234,7 @@ class Spawner:
                 return
 
     async def _stop_adopted(self, worker: SpawnedWorker) -> None:
-        pid = self._adopted_pid(worker.worker_id)
+        pid = self._adopted_pid(worker.worker_id) or self._adopted_seen.get(worker.worker_id)
         if pid is None:
             logger.warning("spawn: worker %s: adopted, pid unknown: left running", worker.worker_id)
             return

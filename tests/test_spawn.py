@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import shlex
 import signal
@@ -654,14 +655,18 @@ def free_loopback_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.mark.parametrize("lease_down_at_stop", [False, True])
 async def test_stop_ends_an_adopted_worker_started_through_a_wrapper(
-    harness: Harness, tmp_path: Path
+    harness: Harness, tmp_path: Path, lease_down_at_stop: bool
 ) -> None:
     """The pid on an adopted worker's control connection is the server, a child of the
     wrapper shell that leads the group: stopping signals that group, not a group
-    numbered like the server's pid (there is none; the whole group would be left)."""
+    numbered like the server's pid (there is none; the whole group would be left).
+    With its control connection down when the router stops (a reconnect's backoff),
+    the pid last seen on it is the one used."""
     (tmp_path / "listener.py").write_text(LISTENER_SCRIPT)
     port, pid_file = free_loopback_port(), tmp_path / "server.pid"
+    lease_down = [False]
     listener = shlex.join([sys.executable, str(tmp_path / "listener.py"), str(port), str(pid_file)])
     # Started like a previous router started its workers: a session and group of its own.
     wrapper = await asyncio.create_subprocess_exec(
@@ -676,11 +681,12 @@ async def test_stop_ends_an_adopted_worker_started_through_a_wrapper(
             spec,
             control_address="unix:/run/test/control.sock",
             on_exit=harness.on_exit,
-            adopted_pid=lambda worker_id: server,
+            adopted_pid=lambda worker_id: None if lease_down[0] else server,
         )
         harness.spawners.append(spawner)
         await asyncio.wait_for(spawner.start(), 5)  # adopted: the port is served
         assert spawner.pid("w0") is None
+        lease_down[0] = lease_down_at_stop
 
         await asyncio.wait_for(spawner.stop(), 10)
 
@@ -694,8 +700,11 @@ async def test_stop_ends_an_adopted_worker_started_through_a_wrapper(
         await asyncio.wait_for(wrapper.wait(), 5)
 
 
-async def test_stop_leaves_an_adopted_worker_that_already_exited_alone(harness: Harness) -> None:
-    """A pid that no longer runs has no group to look up: nothing is signalled."""
+async def test_stop_leaves_an_adopted_worker_that_already_exited_alone(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pid that no longer runs has no group to look up: nothing is signalled. The
+    adoption is said as a warning, on the router's own logger (JSON with the rest)."""
     gone = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
     await asyncio.wait_for(gone.wait(), 5)
     with socket.create_server(("127.0.0.1", 0)) as held:  # something serves the port
@@ -708,6 +717,9 @@ async def test_stop_leaves_an_adopted_worker_that_already_exited_alone(harness: 
             adopted_pid=lambda worker_id: gone.pid,
         )
         harness.spawners.append(spawner)
-        await asyncio.wait_for(spawner.start(), 5)
+        with caplog.at_level(logging.WARNING, logger="episode_router.spawn"):
+            await asyncio.wait_for(spawner.start(), 5)
         await asyncio.wait_for(spawner.stop(), 5)
     assert harness.exits == []
+    [adopting] = [r for r in caplog.records if "adopting the process there" in r.getMessage()]
+    assert (adopting.name, adopting.levelno) == ("episode_router.spawn", logging.WARNING)
