@@ -1282,3 +1282,35 @@ async def test_a_body_read_ahead_by_the_caller_is_sent_as_it_is(
     async with client.post(router.url + "/x", data=b'{"session_id": "s9"}') as reply:
         assert reply.status == 200
     assert seen == [(b'{"session_id": "s9"}', "20")]
+
+
+async def test_a_client_reading_a_long_reply_slowly_is_no_stalled_worker(stack: Rig) -> None:
+    # The worker has it all out at once; the client pauses longer than stream_idle_s
+    # while the router waits for it to take more (past the kernel's 4 MiB of buffers):
+    # the worker's idle deadline must not cut it.
+    size = 12 << 20
+    payload = bytes(range(256)) * (size // 256)
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size
+    worker = await raw_worker(stack, reply_script(head + payload, hold=True))
+    timeouts = ForwardTimeouts(connect_s=1.0, first_byte_s=2.0, stream_idle_s=0.3)
+    router = await start_router(stack, worker.upstream, timeouts=timeouts)
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    client.setblocking(False)
+    loop = asyncio.get_running_loop()
+    try:
+        await loop.sock_connect(client, ("127.0.0.1", router.port))
+        await loop.sock_sendall(client, b"GET /long HTTP/1.1\r\nHost: h\r\n\r\n")
+        received = bytearray()
+        async with asyncio.timeout(30):
+            while len(received) < len(head) + size:
+                read = await loop.sock_recv(client, 1 << 20)
+                assert read, f"cut after {len(received)} bytes"
+                if not received:
+                    await asyncio.sleep(1.0)  # three times stream_idle_s, once
+                received += read
+    finally:
+        client.close()
+        worker.done.set()
+    assert bytes(received).endswith(payload)
+    assert router.failures == []
