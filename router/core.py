@@ -43,6 +43,7 @@ class JournalSink(Protocol):
     def learn(self, kind: str, key: str, worker: str) -> None: ...
     def release(self, kind: str, key: str, worker: str) -> None: ...
     def sync(self, worker: str, claims: Iterable[tuple[str, str]]) -> None: ...
+    def link(self, claims: list[tuple[str, str]]) -> None: ...  # learned from one reply
     def exited(self, worker: str) -> None: ...
     def hold(self) -> None: ...  # keep what follows until flush (one write for many changes)
     def flush(self) -> None: ...  # write what was held; changes are written at once again
@@ -65,6 +66,9 @@ class _NoJournal:
         pass
 
     def sync(self, worker: str, claims: Iterable[tuple[str, str]]) -> None:
+        pass
+
+    def link(self, claims: list[tuple[str, str]]) -> None:
         pass
 
     def exited(self, worker: str) -> None:
@@ -379,6 +383,8 @@ class RouterCore:
         claims = [c for c in (self.claims.lookup(k, key) for k, key in pairs) if c is not None]
         for claim in claims:
             claim.siblings = tuple(other for other in claims if other is not claim)
+        if len(claims) > 1:
+            self.journal.link([(claim.kind, claim.key) for claim in claims])
 
     def release_learned(self, worker: Worker, kind: str, key: str, now: float) -> bool:
         """A close route's (or MCP DELETE's) 2xx reply ends the session, under every

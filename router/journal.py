@@ -83,6 +83,9 @@ class JournalFile:
     def release(self, kind: str, key: str, worker: str) -> None:
         self._append({"op": "release", "kind": kind, "key": key, "worker": worker})
 
+    def link(self, claims: list[tuple[str, str]]) -> None:
+        self._append({"op": "link", "claims": [list(pair) for pair in claims]})
+
     def sync(self, worker: str, claims: Iterable[tuple[str, str]]) -> None:
         self._append({"op": "sync", "worker": worker, "claims": sorted(claims)})
 
@@ -252,11 +255,19 @@ def snapshot(core: RouterCore, wall_now: float, mono_now: float) -> list[dict[st
             )
             if worker.draining:
                 records.append(_drain_record(worker))
+    linked: list[list[list[str]]] = []
+    in_a_link: set[int] = set()
     for claim in core.claims.held():
         op = "learn" if claim.learned else "claim"
         records.append({"op": op, "kind": claim.kind, "key": claim.key, "worker": claim.worker})
+        if claim.siblings and id(claim) not in in_a_link:
+            group = (claim, *claim.siblings)
+            in_a_link.update(id(member) for member in group)
+            linked.append([[member.kind, member.key] for member in group])
     for claim in core.claims.tombstones():
         records.append(_tombstone_record(claim, wall_now - (mono_now - claim.since)))
+    # After every claim they name, held or ended: one seed reply's claims stay one session.
+    records.extend({"op": "link", "claims": pairs} for pairs in linked)
     return records
 
 
@@ -328,6 +339,8 @@ def _apply(core: RouterCore, record: dict[str, Any], at: float) -> None:
         )
     elif op == "release":
         claims.release(str(record["kind"]), str(record["key"]), str(record["worker"]), at)
+    elif op == "link":
+        core.link_learned([(str(kind), str(key)) for kind, key in record["claims"]])
     elif op == "sync":
         pairs = [(str(kind), str(key)) for kind, key in record["claims"]]
         claims.sync(str(record["worker"]), pairs, at)

@@ -361,6 +361,9 @@ class HoldingJournal:
     def sync(self, worker: str, claims: Iterable[tuple[str, str]]) -> None:
         self._change("sync")
 
+    def link(self, claims: list[tuple[str, str]]) -> None:
+        self._change("link")
+
     def exited(self, worker: str) -> None:
         self._change("exited")
 

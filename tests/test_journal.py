@@ -331,3 +331,33 @@ def test_one_journal_is_taken_by_one_process_at_a_time(tmp_path: Path) -> None:
     first.close()
     second.lock()  # free again once its holder let go
     second.close()
+
+
+def test_claims_one_seed_reply_taught_stay_one_session_after_a_restart(tmp_path: Path) -> None:
+    settings = CoreSettings(kinds={"cookie": False, "token": False}, recovery_window_s=30.0)
+    path = tmp_path / "journal"
+    core = RouterCore(settings, 0.0)
+    journal = JournalFile(str(path), clock=Clock(WALL0))
+    journal.compact(core, 0.0)
+    core.journal = journal
+    w0 = core.register("w0", "http://127.0.0.1:9001", WorkerOrigin.CONTROL, 0.0, "b0")
+    for kind in ("cookie", "token"):
+        assert core.learn(w0, kind, "s1", 0.0) is None
+    core.link_learned([("cookie", "s1"), ("token", "s1")])
+    journal.close()
+
+    for compacted in (False, True):
+        replayed = RouterCore(settings, 1.0)
+        lines = JournalFile(str(path), clock=Clock(WALL0 + 1)).read()
+        assert replay(replayed, lines, 1.0, WALL0 + 1) == 0
+        again = replayed.register("w0", "http://127.0.0.1:9001", WorkerOrigin.CONTROL, 1.0, "b0")
+        assert replayed.release_learned(again, "cookie", "s1", 2.0)  # a close with the cookie
+        token = replayed.claims.lookup("token", "s1")
+        assert token is not None and token.state is ClaimState.ENDED, compacted
+        if not compacted:  # the same, from the snapshot a start writes
+            fresh = RouterCore(settings, 0.0)
+            assert replay(fresh, lines, 0.0, WALL0) == 0
+            rewritten = JournalFile(str(path), clock=Clock(WALL0))
+            rewritten.compact(fresh, 0.0)
+            rewritten.close()
+            assert b'"op":"link"' in path.read_bytes()
