@@ -66,6 +66,9 @@ async def run_until_signalled(service: RouterService) -> None:
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 with contextlib.suppress(Exception):
                     loop.remove_signal_handler(signum)
+                # Stopped: what is left is the exit. A signal now (one sent while it
+                # stopped, arriving late) must not turn a clean stop's 0 into -15.
+                signal.signal(signum, signal.SIG_IGN)
 
 
 def _already_stopping(signum: signal.Signals) -> None:
