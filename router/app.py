@@ -186,6 +186,12 @@ class PublicHandler:
                 },
             )
 
+    def refused_at_the_edge(self, answer: Answer) -> None:
+        """A request head the edge refused (400, 414, 431) before this handler saw it:
+        counted as the handler's own answers are (sessionless: no session was read)."""
+        if self.metrics is not None:
+            self.metrics.request_done(None, answer.code, answer.status, 0.0)
+
     def _decision_observed(self, exchange: Exchange) -> None:
         """Observes how long routing `exchange` took, once: when it ends (an answer, a
         reply relayed on the lane) or when its forward coroutine begins (a reply that

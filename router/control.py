@@ -90,6 +90,7 @@ class ControlSession:
         self.policy = policy
         self.peer = peer
         self.worker: Worker | None = None
+        self.became_live = False  # the last accepted hello made its worker live
         # The claims of a sync that spans several messages, until its last one. Each
         # message's malformed entries are answered in its own reply, never kept here.
         self._sync_pending: set[tuple[str, str]] | None = None
@@ -185,6 +186,9 @@ class ControlSession:
         # Started by this router's `spawn:`, or adopted from its last run.
         spawned = worker_id in self.policy.spawned_ids
         origin = WorkerOrigin.SPAWNED if spawned else WorkerOrigin.CONTROL
+        before = self.core.workers.get(worker_id)
+        # A hello again, or one taking the lease over, changes no state: not a transition.
+        self.became_live = before is None or before.state is not WorkerState.LIVE
         worker = self.core.register(worker_id, url, origin, now, boot)
         self.worker = worker
         worker.lease = self

@@ -204,7 +204,7 @@ class ControlServer:
             return
         result = "ok" if ok else str(reply.get("error"))
         self.count_op(op if isinstance(op, str) else "invalid", result)
-        if op == "hello" and ok:
+        if op == "hello" and ok and session.became_live:
             self._metrics.worker_transition("live")
 
     def _close_superseded(self, session: ControlSession, worker: Worker) -> None:

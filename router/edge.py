@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import Final, cast
 
+from router.answers import Answer
 from router.edge_clock import HEAD_DEADLINE, EdgeLimits
 from router.edge_parse import ParsingConnection
 from router.edge_serve import Handler
@@ -52,6 +54,9 @@ class EdgeServer:
         self.time = loop.time  # kept bound for the connections (see router.edge_parse)
         self.connections: set[EdgeConnection] = set()
         self.closing = False
+        # Told of each request head the edge refuses itself (400, 414, 431), which no
+        # handler sees: the metrics count them with the handler's.
+        self.on_refused: Callable[[Answer], None] | None = None
         self._all_closed = asyncio.Event()  # set once closing and no connection is left
 
     def __call__(self) -> EdgeConnection:
@@ -91,6 +96,11 @@ class EdgeConnection(ParsingConnection):
     def __init__(self, server: EdgeServer) -> None:
         super().__init__(server.handler, server.loop, server.time, server.limits)
         self._server = server
+
+    def _refused(self, answer: Answer) -> None:
+        on_refused = self._server.on_refused
+        if on_refused is not None:
+            on_refused(answer)
 
     # --- the transport's events -------------------------------------------------------
 

@@ -180,6 +180,9 @@ class ServingConnection(ClockedConnection):
         if not self._dispatching:
             self._dispatch()
 
+    def _refused(self, answer: Answer) -> None:
+        """A head refused before any handler saw it (router.edge counts it)."""
+
     def _head_late(self) -> None:
         if not self._busy:
             super()._head_late()
@@ -460,6 +463,7 @@ class ServingConnection(ClockedConnection):
         status, headers, body = render(answer)
         self._write(answer_head(status, headers, len(body), keep_alive=False) + body)
         self._refusal = None
+        self._refused(answer)
         # The client may still be sending the rest of the refused head, or requests after
         # it: it reads the answer rather than a reset.
         self._linger()

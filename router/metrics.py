@@ -98,6 +98,7 @@ class RouterMetrics:
         self._kind_labels[None] = SESSIONLESS
         self._max_worker_labels = max_worker_labels
         self._workers_seen: set[str] = set()
+        self._known_workers = workers
         self._define_event_metrics()
         self._prebind()
         self.registry.register(
@@ -223,12 +224,27 @@ class RouterMetrics:
         child.inc()
 
     def _worker_label(self, worker: str) -> str:
-        if worker in self._workers_seen:
+        seen = self._workers_seen
+        if worker in seen:
             return worker
-        if len(self._workers_seen) >= self._max_worker_labels:
-            return OTHER
-        self._workers_seen.add(worker)
+        if len(seen) >= self._max_worker_labels:
+            self._forget_unknown_workers()
+            if len(seen) >= self._max_worker_labels:
+                return OTHER
+        seen.add(worker)
         return worker
+
+    def _forget_unknown_workers(self) -> None:
+        """Drops the series of workers the router no longer knows (it keeps the live
+        ones and the 1,024 that exited last): the first ids ever seen kept their labels
+        for ever, and a pool that restarts with fresh ids counted its live workers'
+        failures as "other". Runs only at the cap, on a failure: rare."""
+        known = {worker_id for worker_id, _, _ in self._known_workers()}
+        for worker in self._workers_seen - known:
+            self._workers_seen.discard(worker)
+            for key in [key for key in self._failure_children if key[0] == worker]:
+                del self._failure_children[key]
+                self._upstream_failures.remove(*key)
 
     # -- the control plane -------------------------------------------------------
 

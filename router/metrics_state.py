@@ -138,7 +138,10 @@ def _worker_families(workers: Iterable[tuple[str, str, bool]]) -> Iterator[Gauge
         "Whether a worker is draining: 1 while it gets no new sessions, else 0.",
         labels=("worker",),
     )
-    for worker_id, state, is_draining in sorted(workers):
+    for worker_id, state, drain_flag in sorted(workers):
+        # An exited worker takes no session at all: not counted as draining (a worker
+        # that drained itself, then left, kept the gauge up for as long as it was known).
+        is_draining = drain_flag and state != "exited"
         label = state if state in by_state else OTHER
         by_state[label] = by_state.get(label, 0) + 1
         draining += is_draining

@@ -159,6 +159,7 @@ class RouterService:
         self._edge = EdgeServer(
             self.handler.handle, edge_limits(config), asyncio.get_running_loop()
         )
+        self._edge.on_refused = self.handler.refused_at_the_edge
         self._public = await serve_public(self._edge, config.listen.host, config.listen.port)
         self.public_port = int(self._public.sockets[0].getsockname()[1])
         self._admin = await serve_admin(

@@ -753,3 +753,26 @@ async def test_a_client_that_reads_its_replies_slowly_is_not_dropped() -> None:
         client.close()
         server.close()
         await edge.shutdown(0.5)
+
+
+async def test_heads_the_edge_refuses_are_counted_with_the_other_answers(
+    rig: Rig, tmp_path: Path
+) -> None:
+    await rig.start_router(router_config(tmp_path))
+    for head in (
+        b"GET /x HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"GET /" + b"u" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /x HTTP/1.1\r\nHost: x\r\nX-Big: " + b"v" * 17000 + b"\r\n\r\n",
+    ):
+        conn = await RawHttp.open(rig.router.public_port)
+        try:
+            conn.send(head)
+            assert await conn.read_to_end()  # an answer, then the close
+        finally:
+            conn.close()
+    requests = series(scrape(rig.router.metrics), "episode_router_requests_total")
+    assert requests == {
+        "kind=none,outcome=bad_request,status_class=4xx": 1,
+        "kind=none,outcome=uri_too_long,status_class=4xx": 1,
+        "kind=none,outcome=headers_too_large,status_class=4xx": 1,
+    }, requests

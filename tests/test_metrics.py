@@ -247,7 +247,8 @@ def test_upstream_failures_by_worker_and_kind() -> None:
 
 
 def test_worker_labels_stop_growing_at_the_bound() -> None:
-    metrics = new_metrics(max_worker_labels=2)
+    state = FakeState(workers=[("w0", "live", False), ("w1", "exited", False)])
+    metrics = new_metrics(state, max_worker_labels=2)
     for worker in ("w0", "w1", "pid-123", "pid-456"):
         metrics.upstream_failure(worker, "refused")
     metrics.upstream_failure("w1", "refused")  # a known id keeps its own label
@@ -256,6 +257,21 @@ def test_worker_labels_stop_growing_at_the_bound() -> None:
         "kind=refused,worker=w0": 1,
         "kind=refused,worker=w1": 2,
         "kind=refused,worker=other": 2,
+    }
+
+
+def test_a_worker_the_router_forgot_gives_its_label_to_a_new_one() -> None:
+    # It keeps the live workers and the 1,024 that exited last: a pool restarting with
+    # fresh ids must not see its live workers' failures counted as "other".
+    state = FakeState(workers=[("w0", "exited", False), ("w1", "live", False)])
+    metrics = new_metrics(state, max_worker_labels=2)
+    metrics.upstream_failure("w0", "refused")
+    metrics.upstream_failure("w1", "refused")
+    state.workers = [("w1", "live", False), ("w2", "live", False)]  # w0 forgotten
+    metrics.upstream_failure("w2", "timeout")
+    assert series(scrape(metrics), "episode_router_upstream_failures_total") == {
+        "kind=refused,worker=w1": 1,
+        "kind=timeout,worker=w2": 1,
     }
 
 

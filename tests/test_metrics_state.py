@@ -46,7 +46,8 @@ def test_the_collector_reads_the_state_at_scrape_time_only() -> None:
 
     state.claims = {("w0", "episode"): 3, ("w1", "episode"): 1, ("w1", "mcp_session"): 2}
     state.tombstones = 7
-    state.workers = [("w1", "lost", False), ("w0", "live", True), ("w2", "exited", False)]
+    # w2 drained itself, then left: an exited worker is not draining.
+    state.workers = [("w1", "lost", False), ("w0", "live", True), ("w2", "exited", True)]
     state.connections = 2
     state.recovery = 12.5
     state.journal_errors = 4

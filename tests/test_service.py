@@ -34,6 +34,7 @@ from router_fixtures import (
     token,
     wait_until,
 )
+from test_metrics import scrape, series
 
 from router import journal as journal_module
 from router import spawn as spawn_module
@@ -546,3 +547,21 @@ async def test_a_dead_workers_lease_closing_retires_it_without_waiting_for_the_g
     (await rig.request("GET", "/", episode=token("ep"))).assert_answer(
         410, "worker_exited", "ep-a0"
     )
+
+
+async def test_a_hello_that_changes_no_state_is_no_transition(rig: Rig) -> None:
+    # Said again on its connection, or taking its lease over from another: the worker
+    # was live and stays live; only its first hello made it so.
+    await rig.start_router()
+    first, second = (
+        await RawLease.open(rig.control_address),
+        await RawLease.open(rig.control_address),
+    )
+    try:
+        for lease in (first, first, first, second):
+            assert (await lease.hello("w0", "http://127.0.0.1:1", "boot-1"))["ok"] is True
+        transitions = series(scrape(rig.router.metrics), "episode_router_worker_transitions_total")
+    finally:
+        first.abort()
+        second.abort()
+    assert transitions == {"state=live": 1}, transitions
