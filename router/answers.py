@@ -45,6 +45,9 @@ class Answer:
     detail: str
     session: str | None = None
     retry_after_s: float | None = None
+    # The session kind whose source the answer is about (a refused token, say): for
+    # the metrics and the log, never rendered.
+    kind: str | None = None
 
     @property
     def status(self) -> int:

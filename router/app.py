@@ -120,6 +120,11 @@ class PublicHandler:
         if found is None and self.sessions.reads_paths:
             found = self.sessions.read_path(exchange.path, exchange.seeding)
         if isinstance(found, Answer):
+            # A session source refused (a bad token, an ambiguous header): counted and
+            # logged under its kind, its decision timed like any other.
+            exchange.kind = found.kind
+            if self.metrics is not None:
+                exchange.decided = _perf_counter()
             self._answer(exchange, found)
             return None
         exchange.found = found

@@ -257,11 +257,12 @@ class SessionReader:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, str | int):
-                return Answer("invalid_token", f"The body field {kind.pointer} is not a key.")
+                detail = f"The body field {kind.pointer} is not a key."
+                return Answer("invalid_token", detail, kind=kind.name)
             try:
                 return SessionRef(kind.name, raw_session_key(str(value)))
             except FormatError as exc:
-                return Answer(exc.code, exc.detail)
+                return Answer(exc.code, exc.detail, kind=kind.name)
         return None
 
     def read_path(self, path: str, skip: frozenset[str] = frozenset()) -> SessionRef | None:
@@ -284,7 +285,8 @@ class SessionReader:
             values = _list_items(values)
         if len(values) > 1 and any(value != values[0] for value in values[1:]):
             label = f"{kind.cookie} cookie" if kind.source == "cookie" else f"{kind.header} header"
-            return Answer("ambiguous_session", f"The {label} is repeated with different values.")
+            detail = f"The {label} is repeated with different values."
+            return Answer("ambiguous_session", detail, kind=kind.name)
         try:
             cache = self._token_caches.get(kind.name)
             if cache is not None:
@@ -292,7 +294,7 @@ class SessionReader:
             else:
                 key = session_key(kind, values[0], now)
         except RefusedValue as exc:  # a TokenError or a FormatError
-            return Answer(exc.code, exc.detail)
+            return Answer(exc.code, exc.detail, kind=kind.name)
         if (len(lines) > 1 or values is not lines) and kind.source != "cookie":
             # Read as one value here, but a worker reading the header as one line would
             # see `T, T`: it gets one line (a cookie header holds other cookies: as is).

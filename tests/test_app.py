@@ -946,25 +946,27 @@ async def test_each_routed_request_times_its_decision_once_and_a_stream_at_its_s
     def decisions() -> float:
         return series(scrape(metrics), DECISIONS, nonzero=False)[""]
 
-    # Refused before routing (a malformed token): no decision to time.
+    # Refused by the session read (a malformed token): decided too, under its kind.
     refused = await rig.request("GET", "/tools/x", headers={TOKEN_HEADER: "not-a-token"})
     assert refused.status == 401
-    assert decisions() == 0
+    assert decisions() == 1
+    requests = series(scrape(metrics), "episode_router_requests_total")
+    assert requests == {"kind=episode,outcome=invalid_token,status_class=4xx": 1}, requests
     # Routed and relayed whole (the relay's lane): one.
     replied = await rig.request("GET", "/tools/x", headers={TOKEN_HEADER: token("ep")})
     assert replied.status == 200
-    assert decisions() == 1
+    assert decisions() == 2
     # Routed by the claim table to an answer of the router's own (an unknown episode): one.
     unknown = await rig.request("GET", "/tools/x", headers={TOKEN_HEADER: token("nobody")})
     assert unknown.status == 401
-    assert decisions() == 2
+    assert decisions() == 3
     # A reply that streams is timed at its start, not when it ends.
     async with rig.http.get(rig.url("/sse"), headers={TOKEN_HEADER: token("ep")}) as reply:
         assert await asyncio.wait_for(reply.content.readuntil(b"\n\n"), 5) == b"data: first\n\n"
-        assert decisions() == 3
+        assert decisions() == 4
         worker.sse_go.set()
         await reply.content.read()
-    assert decisions() == 3
+    assert decisions() == 4
 
 
 async def test_a_streamed_chunked_body_over_the_limit_gets_413_and_never_completes(
