@@ -238,13 +238,20 @@ class ControlSession:
 
     # -- claims --------------------------------------------------------------
 
-    def _kind_and_key(self, request: dict[str, Any]) -> tuple[str, str] | Reply:
+    def _kind_and_key(
+        self, request: dict[str, Any], *, releasing: bool = False
+    ) -> tuple[str, str] | Reply:
         rid = request.get("id")
         kind = request.get("kind", "episode")
         key = request.get("key")
         if not isinstance(kind, str):
             return error_reply(rid, "bad_request", "`kind` must be a string.")
-        if kind not in self.core.settings.kinds:
+        # A release may name a kind a reload removed: the worker still holds the claim
+        # (the table is left as it was), and must be able to end it.
+        held_before = (
+            releasing and isinstance(key, str) and self.core.claims.lookup(kind, key) is not None
+        )
+        if kind not in self.core.settings.kinds and not held_before:
             return error_reply(rid, "unknown_kind", f"No session kind named {kind!r}.")
         if not isinstance(key, str) or not 1 <= len(key) <= MAX_KEY_CHARS:
             return error_reply(rid, "bad_request", "`key` must be a non-empty string.")
@@ -261,7 +268,7 @@ class ControlSession:
         return claim_refused(request.get("id"), refusal)
 
     def _release(self, request: dict[str, Any], now: float) -> Reply:
-        parsed = self._kind_and_key(request)
+        parsed = self._kind_and_key(request, releasing=True)
         if isinstance(parsed, dict):
             return parsed
         assert self.worker is not None

@@ -26,6 +26,7 @@ from router_fixtures import (
 )
 from test_metrics import scrape, series
 
+from router.claims import ClaimState
 from router.config import (
     Config,
     ConfigError,
@@ -413,6 +414,27 @@ async def test_a_reloaded_control_policy_holds_for_connections_opened_before_it(
     assert (hello["ok"], hello["error"]) == (False, "forbidden"), hello
     assert service.core.workers.get("wx") is None
     assert (await opened_before.hello("wx", "http://127.0.0.1:1", "boot-1"))["ok"] is True
+
+
+async def test_a_claim_under_a_kind_a_reload_removed_can_still_be_released(
+    rig: Rig, tmp_path: Path
+) -> None:
+    path = await start_from_file(rig, tmp_path)
+    chat_kind = "- {name: chat, header: X-Chat, token: {format: raw}}"
+    episode_kind = "- {name: episode, header: X-NeMo-Gym-Episode-Token, token: {format: jws}}"
+    write_config(path, tmp_path, extra=f"sessions:\n  {episode_kind}\n  {chat_kind}")
+    rig.router.reload_from_file()
+    lease = await RawLease.open(rig.control_address)
+    rig.stack.callback(lease.abort)
+    assert (await lease.hello("w0", "http://127.0.0.1:1", "boot-1"))["ok"] is True
+    assert (await lease.call("claim", key="c1", kind="chat"))["ok"] is True
+    write_config(path, tmp_path)  # the chat kind is gone
+    rig.router.reload_from_file()
+
+    assert (await lease.call("claim", key="c2", kind="chat"))["error"] == "unknown_kind"
+    assert (await lease.call("release", key="c1", kind="chat"))["ok"] is True
+    claim = rig.router.core.claims.lookup("chat", "c1")
+    assert claim is not None and claim.state is ClaimState.ENDED
 
 
 # A spawned worker that records its pid and the secret it was given, then sleeps.
