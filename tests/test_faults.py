@@ -496,8 +496,8 @@ async def test_a_stalled_upload_is_408_at_body_timeout_s_and_its_connection_clos
 ) -> None:
     # The worker's first-byte timeout is shorter, and does not run while the client is
     # the one to send: the silence is the client's, and so is the answer.
-    timeouts = TimeoutsConfig(connect_s=1.0, first_byte_s=0.2, stream_idle_s=5.0)
-    bounds = limits(body_timeout_s=0.5)
+    timeouts = TimeoutsConfig(connect_s=1.0, first_byte_s=0.4, stream_idle_s=5.0)
+    bounds = limits(body_timeout_s=1.0)
     router = await rig.start_router(router_config(tmp_path, timeouts=timeouts, limits=bounds))
     worker = await rig.add_worker("w0")
     await worker.claim("ep-a0")
@@ -513,7 +513,7 @@ async def test_a_stalled_upload_is_408_at_body_timeout_s_and_its_connection_clos
     finally:
         conn.close()
 
-    assert 0.5 <= took < 3.0, took
+    assert 1.0 <= took < 4.0, took
     assert (status, headers_in["connection"]) == (408, "close")
     answer = json.loads(body)
     assert (answer["error"], answer["session"]) == ("request_timeout", None)

@@ -1091,12 +1091,12 @@ async def test_a_stalled_upload_is_the_clients_timeout_and_a_slow_steady_one_is_
 ) -> None:
     # The body's silence is bounded by the edge's body timeout (the client's fault, 408),
     # not by the worker's first-byte timeout, which is shorter here.
-    timeouts = ForwardTimeouts(connect_s=1.0, first_byte_s=0.2, stream_idle_s=5.0)
+    timeouts = ForwardTimeouts(connect_s=1.0, first_byte_s=0.4, stream_idle_s=5.0)
     router = await start_router(
         stack,
         await serve_worker(stack, worker_app(echo)),
         timeouts=timeouts,
-        limits=EdgeLimits(body_timeout_s=0.4),
+        limits=EdgeLimits(body_timeout_s=1.0),
     )
     reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
     writer.write(b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 8\r\n\r\n")
