@@ -45,7 +45,9 @@ def boot_mismatch_answer(
     """
     if header_value is None:
         return None
-    if hmac.compare_digest(header_value.encode(), boot.encode()):
+    # surrogateescape: aiohttp decodes header bytes that are not UTF-8 so, and such a
+    # value must get its 410 like any other stranger's, not a 500 from encode().
+    if hmac.compare_digest(header_value.encode("utf-8", "surrogateescape"), boot.encode()):
         return None
     detail = "The worker process that held this session is no longer running."
     return 410, {"error": "worker_exited", "detail": detail, "session": None}

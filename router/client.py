@@ -286,6 +286,7 @@ class ControlClient:
     async def _run(self) -> None:
         """Keep a connection up until stopped: connect, hello, serve, back off, again."""
         delay = RECONNECT_START_S
+        failures = 0
         while not self._stopping:
             try:
                 connection = await ControlConnection.connect(
@@ -294,9 +295,16 @@ class ControlClient:
                     ping_interval_s=self.ping_interval_s,
                     silence_s=self._silence_s,
                 )
-            except (OSError, TimeoutError) as exc:
-                log.debug("control connect to %s failed: %s", self.address.scheme, exc)
+            except Exception as exc:
+                # Not only OSError: an address the resolver refuses (idna's UnicodeError)
+                # ended this task, left start() and every call waiting, and made stop()
+                # raise. The first failure of a run is a warning, so a permanent one
+                # (a wrong path) is seen; the retries are debug.
+                failures += 1
+                level = logging.WARNING if failures == 1 else logging.DEBUG
+                log.log(level, "control connect to %s failed: %r", self.address.scheme, exc)
             else:
+                failures = 0
                 if await self._serve(connection):
                     delay = RECONNECT_START_S
             if self._stopping:
@@ -406,8 +414,13 @@ class ControlClient:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await task
+            except asyncio.CancelledError:
+                pass
+            except Exception:
+                # Whatever ended it, what waits must still be failed below.
+                log.exception("the control connection task failed")
         self._requests.fail_all(self._stopped_by)
         if self._first_hello is not None and not self._first_hello.done():
             self._first_hello.set_exception(self._stopped_by.again())

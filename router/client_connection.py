@@ -106,7 +106,9 @@ class ControlConnection:
                     log.warning("ignoring a control line that is not a JSON object")
                     continue
                 self._requests.answer(reply)
-        except (OSError, ValueError) as exc:  # ValueError: a line over the limit
+        # ValueError: a line over the limit; RecursionError: JSON nested past the parser's
+        # depth (a broken router): either ends this connection, never the client.
+        except (OSError, ValueError, RecursionError) as exc:
             log.warning("control connection read failed: %s", exc)
         finally:
             # Nothing more will be answered here: later writes must not wait on this connection.

@@ -12,7 +12,9 @@ It is pure: it must never import asyncio or aiohttp, open a socket, or log.
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -52,11 +54,33 @@ def parse_control_address(address: str) -> ControlAddress:
         return ControlAddress("unix", path=path)
     if address.startswith("tcp://"):
         host, sep, port_text = address.removeprefix("tcp://").rpartition(":")
-        host = host.removeprefix("[").removesuffix("]")
-        if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+            valid_host = ":" in host and _is_ip(host)  # a bracketed IPv6 address
+        else:
+            valid_host = _is_ip(host) or _HOSTNAME.fullmatch(host) is not None
+        # ASCII digits only: str.isdigit() also takes other scripts' digits, which int()
+        # reads as a port nobody wrote.
+        port_ok = port_text.isascii() and port_text.isdigit() and 0 < int(port_text) < 65536
+        if not sep or not valid_host or not port_ok:
             raise ValueError(f"control address {address!r} must be tcp://host:port")
         return ControlAddress("tcp", host=host, port=int(port_text))
     raise ValueError(f"control address {address!r} must be unix:/path or tcp://host:port")
+
+
+# A DNS name (letters, digits and hyphens in dot-separated labels): one the resolver
+# would refuse (`a..b` fails idna's check) is a bad address now, not a connect that
+# fails for ever.
+_HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def _is_ip(host: str) -> bool:
+    # As router.config.addresses's: the client imports none of the router's modules.
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def encode_line(message: Mapping[str, object]) -> bytes:

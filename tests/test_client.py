@@ -33,6 +33,7 @@ from router.client import (
     parse_control_address,
     sync_messages,
 )
+from router.client_connection import ControlConnection
 from router.client_protocol import decode_reply
 
 
@@ -79,7 +80,9 @@ def test_parse_control_address(address: str, parsed: ControlAddress) -> None:
 @pytest.mark.parametrize(
     "address",
     ["", "unix:", "/run/control.sock", "tcp://127.0.0.1", "tcp://:9902", "tcp://h:0",
-     "tcp://h:65536", "tcp://h:x", "http://127.0.0.1:9902"],
+     "tcp://h:65536", "tcp://h:x", "http://127.0.0.1:9902",
+     "tcp://a..b:9902", "tcp://h:\u0663", "tcp://[::1:80", "tcp://a:b:80", "tcp://[h]:80",
+     "tcp://-h:80"],
 )  # fmt: skip
 def test_parse_control_address_refuses(address: str) -> None:
     with pytest.raises(ValueError, match="control address"):
@@ -155,6 +158,7 @@ def test_sync_messages_stay_under_the_line_limit() -> None:
         ("", 410),
         ("b00t ", 410),
         ("é", 410),
+        ("\udcff\udcfe", 410),  # bytes that are not UTF-8, as aiohttp decodes them
     ],
 )
 def test_boot_mismatch_answer(header: str | None, answer: int | None) -> None:
@@ -602,3 +606,25 @@ async def test_asgi_boot_middleware() -> None:
 
     await _call_asgi(app, {"type": "lifespan"})
     assert seen == ["http", "http", "lifespan"]
+
+
+async def test_a_connect_that_fails_with_no_os_error_is_retried_not_fatal(
+    router: ScriptedRouter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As the resolver's idna check does for some names: it ended the client's task,
+    # left start() waiting for ever and made stop() raise.
+    real_connect = ControlConnection.connect
+    attempts = 0
+
+    async def once_odd(*args: Any, **kwargs: Any) -> ControlConnection:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:
+            raise UnicodeError("label empty or too long")
+        return await real_connect(*args, **kwargs)
+
+    monkeypatch.setattr(ControlConnection, "connect", once_odd)
+    worker = make_client(router)
+    await asyncio.wait_for(worker.start(), 5)
+    assert worker.connected and attempts == 2
+    await worker.stop()
