@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from router_fixtures import EchoWorker, RawHttp, Rig, open_rig, router_config, wait_until
@@ -63,12 +65,21 @@ def limits(**fields: float) -> LimitsConfig:
 
 
 async def a_connection(
-    rig: Rig, tmp_path: Path, *, header_timeout_s: float = 10.0, **fields: float
+    rig: Rig,
+    tmp_path: Path,
+    *,
+    header_timeout_s: float = 10.0,
+    first_byte_s: float | None = None,
+    **fields: float,
 ) -> tuple[RawHttp, EchoWorker]:
     """A client connection to a router with this head timeout (idle: 30 s), other
-    `limits` as `fields` say, and one worker, w0."""
+    `limits` as `fields` say, the worker's first-byte timeout if given, and one worker,
+    w0."""
     bounds = limits(header_timeout_s=header_timeout_s, **{"idle_timeout_s": 30.0, **fields})
-    await rig.start_router(router_config(tmp_path, limits=bounds))
+    timeouts = TimeoutsConfig()
+    if first_byte_s is not None:
+        timeouts = dataclasses.replace(timeouts, first_byte_s=first_byte_s)
+    await rig.start_router(router_config(tmp_path, limits=bounds, timeouts=timeouts))
     worker = await rig.add_worker("w0")
     return await RawHttp.open(rig.router.public_port), worker
 
@@ -405,15 +416,7 @@ async def test_a_body_that_goes_silent_gets_408_not_a_worker_timeout(
 ) -> None:
     # The worker waits for the body: the silence is the client's, answered 408 at the
     # body timeout, long before the worker's first-byte timeout would call it a 504.
-    await rig.start_router(
-        router_config(
-            tmp_path,
-            limits=limits(body_timeout_s=0.4),
-            timeouts=dataclasses.replace(TimeoutsConfig(), first_byte_s=30.0),
-        )
-    )
-    await rig.add_worker("w0")
-    conn = await RawHttp.open(rig.router.public_port)
+    conn, _ = await a_connection(rig, tmp_path, body_timeout_s=0.4, first_byte_s=30.0)
     try:
         started = time.monotonic()
         conn.send(b"POST /tool HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
@@ -452,15 +455,7 @@ async def test_trailers_sent_slowly_are_the_clients_time_not_the_workers(
 ) -> None:
     # The body's chunks are in; its trailers come one at a time, for longer than the
     # worker's first-byte timeout: the worker is not timed while the client still sends.
-    await rig.start_router(
-        router_config(
-            tmp_path,
-            limits=limits(body_timeout_s=2.0),
-            timeouts=dataclasses.replace(TimeoutsConfig(), first_byte_s=0.3),
-        )
-    )
-    worker = await rig.add_worker("w0")
-    conn = await RawHttp.open(rig.router.public_port)
+    conn, worker = await a_connection(rig, tmp_path, body_timeout_s=2.0, first_byte_s=0.3)
     try:
         conn.send(b"POST /t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
         conn.send(b"5\r\nhello\r\n0\r\n")
@@ -616,11 +611,18 @@ async def test_a_body_whose_client_waits_for_100_continue_is_not_timed_before_it
 # --- a client that does not read its replies ------------------------------------------------
 
 
+class Unread(NamedTuple):
+    edge: EdgeServer
+    client: socket.socket
+    sender: asyncio.Task[None]
+
+
+@contextlib.asynccontextmanager
 async def pipelined_unread(
     limits: EdgeLimits, requests: int, wait_s: float
-) -> tuple[EdgeServer, socket.socket, asyncio.Task[None], asyncio.Server]:
+) -> AsyncIterator[Unread]:
     """An edge answering every request 503 at once, and a client that sends `requests`
-    pipelined GETs (in a task) and reads nothing for `wait_s`."""
+    pipelined GETs (in a task) and reads nothing for `wait_s`; all ended on exit."""
 
     def handler(request: PublicRequest) -> None:
         request.client.answer(request, Answer("no_worker", "answered at once"))
@@ -636,52 +638,62 @@ async def pipelined_unread(
     await loop.sock_connect(client, server.sockets[0].getsockname())
     data = b"GET /p HTTP/1.1\r\nHost: x\r\n\r\n" * requests
     sender = asyncio.create_task(loop.sock_sendall(client, data), name="pipelining-client")
-    await asyncio.sleep(wait_s)
-    return edge, client, sender, server
+    try:
+        await asyncio.sleep(wait_s)
+        yield Unread(edge, client, sender)
+    finally:
+        sender.cancel()
+        client.close()
+        server.close()
+        await edge.shutdown(0.5)
+
+
+class AnswerCount:
+    """The 503 status lines in a stream read in pieces, one cut across two reads too."""
+
+    LINE = b"HTTP/1.1 503 "
+
+    def __init__(self) -> None:
+        self.answered = 0
+        self._tail = b""
+
+    def feed(self, read: bytes) -> None:
+        assert read, f"the router closed the connection after {self.answered} answers"
+        chunk = self._tail + read
+        self.answered += chunk.count(self.LINE)
+        self._tail = chunk[1 - len(self.LINE) :]
+
+    async def read_until(self, requests: int, read: Callable[[], Awaitable[bytes]]) -> None:
+        """Reads with `read` until `requests` answers came (30 s at most)."""
+        async with asyncio.timeout(30):
+            while self.answered < requests:
+                self.feed(await read())
 
 
 async def test_a_client_that_reads_no_replies_is_not_read_until_it_does() -> None:
     requests = 60_000  # ~8 MB of answers, ~1.7 MB of requests
-    edge, client, sender, server = await pipelined_unread(EdgeLimits(), requests, 1.0)
     loop = asyncio.get_running_loop()
-    try:
-        [conn] = edge.connections
+    async with pipelined_unread(EdgeLimits(), requests, 1.0) as unread:
+        [conn] = unread.edge.connections
         assert conn.transport is not None
         # The unsent answers stay near the transport's high-water mark (64 KiB): the
         # router stopped reading, and the client's sending stalls.
         assert conn.transport.get_write_buffer_size() < 512 * 1024
-        assert not sender.done()
-        status_line, answered, tail = b"HTTP/1.1 503 ", 0, b""
-        async with asyncio.timeout(30):
-            while answered < requests:
-                chunk = tail + await loop.sock_recv(client, 1 << 16)
-                answered += chunk.count(status_line)
-                tail = chunk[1 - len(status_line) :]  # a status line cut across two reads
-        await sender
-        assert answered == requests  # every one answered, none lost
-    finally:
-        sender.cancel()
-        client.close()
-        server.close()
-        await edge.shutdown(0.5)
+        assert not unread.sender.done()
+        count = AnswerCount()
+        await count.read_until(requests, lambda: loop.sock_recv(unread.client, 1 << 16))
+        await unread.sender
+        assert count.answered == requests  # every one answered, none lost
 
 
 async def test_a_client_that_reads_nothing_for_the_idle_timeout_is_dropped() -> None:
-    edge, client, sender, server = await pipelined_unread(
-        EdgeLimits(idle_timeout_s=0.5), 30_000, 0.2
-    )
-    try:
-        assert len(edge.connections) == 1
+    async with pipelined_unread(EdgeLimits(idle_timeout_s=0.5), 30_000, 0.2) as unread:
+        assert len(unread.edge.connections) == 1
 
         async def dropped() -> bool:
-            return not edge.connections
+            return not unread.edge.connections
 
         assert 0.2 < await wait_until(dropped, "the connection to be dropped", 5) < 2
-    finally:
-        sender.cancel()
-        client.close()
-        server.close()
-        await edge.shutdown(0.5)
 
 
 async def test_a_large_read_of_pipelined_requests_queues_a_slice_of_it_not_all() -> None:
@@ -695,7 +707,6 @@ async def test_a_large_read_of_pipelined_requests_queues_a_slice_of_it_not_all()
     edge = EdgeServer(answer_when_released, EdgeLimits(), loop)
     server = await loop.create_server(edge, "127.0.0.1", 0)
     requests = 20_000  # 560 KB, sent at once: reads of up to 256 KiB
-    status_line, answered, tail = b"HTTP/1.1 503 ", 0, b""
     conn = await RawHttp.open(int(server.sockets[0].getsockname()[1]))
     try:
         conn.send(b"GET /p HTTP/1.1\r\nHost: x\r\n\r\n" * requests)
@@ -709,12 +720,9 @@ async def test_a_large_read_of_pipelined_requests_queues_a_slice_of_it_not_all()
             <= MAX_PIPELINED + 1 + (PARSE_SLICE_BYTES // tiniest)
         )
         release.set()
-        async with asyncio.timeout(30):
-            while answered < requests:
-                chunk = tail + await conn.reader.read(1 << 16)
-                answered += chunk.count(status_line)
-                tail = chunk[1 - len(status_line) :]
-        assert answered == requests  # every one, in turn
+        count = AnswerCount()
+        await count.read_until(requests, lambda: conn.reader.read(1 << 16))
+        assert count.answered == requests  # every one, in turn
     finally:
         conn.close()
         server.close()
@@ -725,34 +733,16 @@ async def test_a_client_that_reads_its_replies_slowly_is_not_dropped() -> None:
     # It takes less than the router writes, but never nothing for idle_timeout_s: slow,
     # not stopped (nginx's send_timeout counts from the last byte taken, too).
     requests = 60_000
-    edge, client, sender, server = await pipelined_unread(
-        EdgeLimits(idle_timeout_s=0.5), requests, 0.1
-    )
     loop = asyncio.get_running_loop()
-    status_line, answered, tail = b"HTTP/1.1 503 ", 0, b""
-    try:
+    async with pipelined_unread(EdgeLimits(idle_timeout_s=0.5), requests, 0.1) as unread:
+        count = AnswerCount()
         for _ in range(20):  # 2 s, four times the idle timeout: 16 KiB every 0.1 s
-            read = await loop.sock_recv(client, 16384)
-            assert read, "the router closed the connection"
-            chunk = tail + read
-            answered += chunk.count(status_line)
-            tail = chunk[1 - len(status_line) :]
+            count.feed(await loop.sock_recv(unread.client, 16384))
             await asyncio.sleep(0.1)
-        assert len(edge.connections) == 1  # still served
-        async with asyncio.timeout(30):
-            while answered < requests:
-                read = await loop.sock_recv(client, 1 << 16)
-                assert read, f"the router closed the connection after {answered} answers"
-                chunk = tail + read
-                answered += chunk.count(status_line)
-                tail = chunk[1 - len(status_line) :]
-        await sender
-        assert answered == requests
-    finally:
-        sender.cancel()
-        client.close()
-        server.close()
-        await edge.shutdown(0.5)
+        assert len(unread.edge.connections) == 1  # still served
+        await count.read_until(requests, lambda: loop.sock_recv(unread.client, 1 << 16))
+        await unread.sender
+        assert count.answered == requests
 
 
 async def test_heads_the_edge_refuses_are_counted_with_the_other_answers(

@@ -22,8 +22,10 @@ class Clock:
         return self.now
 
 
-def run_with_journal(path: Path) -> tuple[RouterCore, JournalFile]:
-    core = RouterCore(SETTINGS, 0.0)
+def run_with_journal(
+    path: Path, settings: CoreSettings = SETTINGS
+) -> tuple[RouterCore, JournalFile]:
+    core = RouterCore(settings, 0.0)
     journal = JournalFile(str(path), clock=Clock(WALL0))
     journal.compact(core, 0.0)
     core.journal = journal
@@ -336,10 +338,7 @@ def test_one_journal_is_taken_by_one_process_at_a_time(tmp_path: Path) -> None:
 def test_claims_one_seed_reply_taught_stay_one_session_after_a_restart(tmp_path: Path) -> None:
     settings = CoreSettings(kinds={"cookie": False, "token": False}, recovery_window_s=30.0)
     path = tmp_path / "journal"
-    core = RouterCore(settings, 0.0)
-    journal = JournalFile(str(path), clock=Clock(WALL0))
-    journal.compact(core, 0.0)
-    core.journal = journal
+    core, journal = run_with_journal(path, settings)
     w0 = core.register("w0", "http://127.0.0.1:9001", WorkerOrigin.CONTROL, 0.0, "b0")
     for kind in ("cookie", "token"):
         assert core.learn(w0, kind, "s1", 0.0) is None
