@@ -42,45 +42,45 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 # The modules on the common path of a forwarded request, from the public socket to the
-# worker's and back, with the decision in between. Not compiled: router/tokens.py (its
+# worker's and back, with the decision in between. Not compiled: router/tokens/jws.py (its
 # checks of a decoded token's JSON types are what refuses a hostile token, and compiled
 # code would raise TypeError at the annotation instead), the session formats other than
-# the default token and where their values sit (router/formats.py, router/key_sources.py),
-# the streamed reply, the metrics read from the live state (router/metrics_state.py: a
+# the default token and where their values sit (router/sessions/formats.py, router/sessions/sources.py),
+# the streamed reply, the metrics read from the live state (router/metrics/state.py: a
 # scrape runs it, never a request), and everything off the hot path (config, control
 # plane, admin, CLI), which gain little from it.
 COMPILED_MODULES = [
-    "router/answers.py",
-    "router/app.py",
-    "router/app_destination.py",
-    "router/app_exchange.py",
-    "router/claims.py",
-    "router/core.py",
-    "router/edge.py",
-    "router/edge_clock.py",
-    "router/edge_parse.py",
-    "router/edge_request.py",
-    "router/edge_serve.py",
-    "router/edge_text.py",
-    "router/edge_wire.py",
-    "router/forward.py",
-    "router/framing.py",
-    "router/learn.py",
-    "router/metrics.py",
-    "router/metrics_counts.py",
-    "router/metrics_labels.py",
-    "router/relay.py",
-    "router/relay_connection.py",
-    "router/relay_exchange.py",
-    "router/relay_lane.py",
-    "router/relay_parser.py",
-    "router/relay_pool.py",
-    "router/relay_request.py",
-    "router/relay_upload.py",
-    "router/relay_wire.py",
-    "router/sessions.py",
-    "router/token_cache.py",
-    "router/workers.py",
+    "router/core/answers.py",
+    "router/app/handler.py",
+    "router/app/destination.py",
+    "router/app/exchange.py",
+    "router/core/claims.py",
+    "router/core/machine.py",
+    "router/edge/server.py",
+    "router/edge/clock.py",
+    "router/edge/parsing.py",
+    "router/edge/request.py",
+    "router/edge/serving.py",
+    "router/edge/head_text.py",
+    "router/edge/wire.py",
+    "router/relay/contract.py",
+    "router/edge/framing.py",
+    "router/sessions/learning.py",
+    "router/metrics/registry.py",
+    "router/metrics/counts.py",
+    "router/metrics/labels.py",
+    "router/relay/forwarder.py",
+    "router/relay/connection.py",
+    "router/relay/exchange.py",
+    "router/relay/lane.py",
+    "router/relay/reply_parser.py",
+    "router/relay/pool.py",
+    "router/relay/request.py",
+    "router/relay/upload.py",
+    "router/relay/wire.py",
+    "router/sessions/reader.py",
+    "router/tokens/cache.py",
+    "router/core/workers.py",
 ]
 
 

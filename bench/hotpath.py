@@ -37,7 +37,7 @@ from bench.launch import quiet_router_warnings
 from bench.load import build_request
 from router.client import ControlClient
 from router.config import AdminConfig, ControlConfig, ListenConfig, default_config
-from router.service import RouterService
+from router.service.router_service import RouterService
 
 __all__ = ["main", "measure"]
 

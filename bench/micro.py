@@ -39,9 +39,9 @@ from bench.launch import free_port, quiet_router_warnings
 from bench.load import run_async
 from bench.peers import router_config
 from bench.procstat import rss_bytes
-from router.claims import ClaimTable
-from router.token_cache import TokenCache
+from router.core.claims import ClaimTable
 from router.tokens import SigningKey, mint_token, new_nonce, parse_token
+from router.tokens.cache import TokenCache
 
 __all__ = ["Figure", "bench_claims", "bench_control", "bench_tokens", "judge", "main"]
 
@@ -255,7 +255,7 @@ async def _pipelined_pairs(path: str, pairs: int, window: int) -> tuple[float, i
 
 async def _control_in_process(pairs: int, folder: Path) -> tuple[float, int]:
     from router.config import parse_config
-    from router.service import RouterService
+    from router.service.router_service import RouterService
 
     socket_path = folder / "control.sock"
     config = parse_config(router_config(free_port(), free_port(), socket_path))

@@ -42,7 +42,7 @@ class Hotspot:
 
 
 def _function(frame: str) -> str:
-    """`handle (router/app.py:88)` -> `handle (router/app.py)`."""
+    """`handle (router/app/handler.py:88)` -> `handle (router/app/handler.py)`."""
     return _LINE_NUMBER.sub(")", frame.strip())
 
 

@@ -35,9 +35,9 @@ from typing import Any
 from fuzz_harness import instrumented, run
 
 with instrumented():
-    from router.control import ControlPolicy, ControlSession, Peer
-    from router.control_codec import decode_line, encode
-    from router.core import CoreSettings, RouterCore
+    from router.control.session import ControlPolicy, ControlSession, Peer
+    from router.core.machine import CoreSettings, RouterCore
+    from router.protocol.control import decode_line, encode
 
 NAME = "control"
 UID = 1000

@@ -1,5 +1,5 @@
-"""Fuzz target: the session formats of servers the router cannot change (`router.formats`,
-`router.key_sources`).
+"""Fuzz target: the session formats of servers the router cannot change (`router.sessions.formats`,
+`router.sessions.sources`).
 
 The input's first byte picks a reader, the rest is its input: Starlette session cookies
 and itsdangerous tokens (without and with the server's key), raw keys and
@@ -33,7 +33,7 @@ from itsdangerous import TimestampSigner, URLSafeSerializer
 
 with instrumented():
     from router.config import SignatureConfig
-    from router.formats import (
+    from router.sessions.formats import (
         MAX_KEY_CHARS,
         FormatError,
         itsdangerous_session_key,
@@ -41,7 +41,7 @@ with instrumented():
         raw_session_key,
         starlette_session_key,
     )
-    from router.key_sources import (
+    from router.sessions.sources import (
         compile_path_pattern,
         json_pointer,
         parse_cookie_header,

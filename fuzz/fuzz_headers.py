@@ -24,7 +24,7 @@ import sys
 from fuzz_harness import instrumented, run
 
 with instrumented():
-    from router.forward import (
+    from router.relay.contract import (
         reply_headers_for_client,
         request_headers_for_worker,
         rewrite_location,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib.machinery
 from pathlib import Path
 
-from router import edge
+import router
+from router.edge import server as edge_server
 
 __all__ = ["build_name", "compiled", "stale_extensions"]
 
@@ -18,7 +19,7 @@ __all__ = ["build_name", "compiled", "stale_extensions"]
 def compiled() -> bool:
     """True when the hot path runs as compiled extensions (the edge stands for them all:
     setup.py builds them together)."""
-    return (edge.__file__ or "").endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+    return (edge_server.__file__ or "").endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
 
 
 def build_name() -> str:
@@ -37,15 +38,15 @@ def stale_extensions(package: Path | None = None) -> list[str]:
     its own extension or mypyc's shared library beside the package (rebuilt whenever
     any module changes) is newer than its source.
     """
-    folder = package if package is not None else Path(edge.__file__ or "").parent
+    folder = package if package is not None else Path(router.__file__ or "").parent
     if not (folder.parent / "setup.py").is_file():
         return []
     stale = []
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         shared = [path.stat().st_mtime for path in folder.parent.glob(f"*__mypyc{suffix}")]
-        for extension in folder.glob(f"*{suffix}"):
+        for extension in folder.rglob(f"*{suffix}"):
             source = extension.with_name(extension.name[: -len(suffix)] + ".py")
             built = max([extension.stat().st_mtime, *shared])
             if source.exists() and source.stat().st_mtime > built:
-                stale.append(source.name)
+                stale.append(source.relative_to(folder).as_posix())
     return sorted(stale)

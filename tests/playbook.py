@@ -25,13 +25,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-from router.answers import Answer
-from router.claims import Claim as ClaimRecord
-from router.claims import ClaimState, ClaimTable
-from router.control import ControlPolicy, ControlSession, Peer
-from router.control_codec import decode_line, encode
-from router.core import CoreSettings, Forward, RouterCore
-from router.workers import Worker, WorkerOrigin
+from router.control.session import ControlPolicy, ControlSession, Peer
+from router.core.answers import Answer
+from router.core.claims import Claim as ClaimRecord
+from router.core.claims import ClaimState, ClaimTable
+from router.core.machine import CoreSettings, Forward, RouterCore
+from router.core.workers import Worker, WorkerOrigin
+from router.protocol.control import decode_line, encode
 
 ROUTER_BOOT = "router-boot-1"
 OWN_UID = 1000

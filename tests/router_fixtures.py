@@ -41,7 +41,7 @@ from router.config import (
     ListenConfig,
     default_config,
 )
-from router.service import RouterService
+from router.service.router_service import RouterService
 from router.tokens import SigningKey, episode_key, mint_token, new_nonce
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Pure tests for router.answers: the status of every code and the rendered reply."""
+"""Pure tests for router.core.answers: the status of every code and the rendered reply."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from router.answers import AUTH_SCHEME, STATUS_BY_CODE, Answer, render
+from router.core.answers import AUTH_SCHEME, STATUS_BY_CODE, Answer, render
 
 # DESIGN §1, plus the hygiene answers of §8, the shutdown answer and the silent body's.
 CONTRACT = {

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from router import app_destination
-from router.app_destination import destination, public_base
-from router.boot import BOOT_HEADER
-from router.core import Forward
-from router.relay_wire import NO_EXTRA
-from router.workers import Worker, WorkerOrigin
+from router.app import destination as app_destination
+from router.app.destination import destination, public_base
+from router.core.machine import Forward
+from router.core.workers import Worker, WorkerOrigin
+from router.relay.wire import NO_EXTRA
+from router.worker.boot import BOOT_HEADER
 
 
 def _worker(worker_id: str = "w0", url: str = "http://127.0.0.1:9000") -> Worker:

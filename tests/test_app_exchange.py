@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from router.answers import Answer
-from router.app_exchange import body_timeout_answer, failure_answer
-from router.core import Forward
-from router.forward import FailureKind, UpstreamFailure
-from router.workers import Worker, WorkerOrigin, WorkerState
+from router.app.exchange import body_timeout_answer, failure_answer
+from router.core.answers import Answer
+from router.core.machine import Forward
+from router.core.workers import Worker, WorkerOrigin, WorkerState
+from router.relay.contract import FailureKind, UpstreamFailure
 
 
 def _decision(session: str | None = "ep-1", state: WorkerState = WorkerState.LIVE) -> Forward:

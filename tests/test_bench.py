@@ -290,8 +290,9 @@ def test_top_functions_sum_self_and_total_samples_per_function() -> None:
 def test_samples_are_charged_to_gc_epoll_libc_or_the_innermost_python_package() -> None:
     collapsed = (
         "run (asyncio/runners.py:1);send (aiohttp/http_writer.py:9);write (libc.so.6) 4\n"
-        "run (asyncio/runners.py:1);handle (router/app.py:3);Py_DECREF (object.h:5) 3\n"
-        "run (asyncio/runners.py:1);handle (router/app.py:3);gc_collect_main (libpython3.11.so) 2\n"
+        "run (asyncio/runners.py:1);handle (router/app/handler.py:3);Py_DECREF (object.h:5) 3\n"
+        "run (asyncio/runners.py:1);handle (router/app/handler.py:3);"
+        "gc_collect_main (libpython3.11.so) 2\n"
         "run (asyncio/runners.py:1);epoll_pwait (libc.so.6) 1\n"
     )
     shares = by_package(collapsed)

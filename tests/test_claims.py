@@ -1,4 +1,4 @@
-"""Pure tests for router.claims: held claims, tombstones, sync, expiry and the tombstone bound.
+"""Pure tests for router.core.claims: held claims, tombstones, sync, expiry and the tombstone bound.
 
 Every step asserts the table's whole state (`claims_snapshot` also checks that the
 per-worker index, the counters and `lookup` agree with each other).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from playbook import C, claims_snapshot
 
-from router.claims import ClaimRefusal, ClaimState, ClaimTable, SyncResult
+from router.core.claims import ClaimRefusal, ClaimState, ClaimTable, SyncResult
 
 TTL = 100.0
 KEYS = [("episode", k) for k in ("a", "b", "c", "d", "e", "f", "g")] + [("mcp", "a")]

@@ -33,8 +33,8 @@ from router.client import (
     parse_control_address,
     sync_messages,
 )
-from router.client_connection import ControlConnection
-from router.client_protocol import decode_reply
+from router.worker.connection import ControlConnection
+from router.worker.lines import decode_reply
 
 
 @pytest.fixture

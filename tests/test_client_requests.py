@@ -11,13 +11,13 @@ import json
 
 import pytest
 
-from router.client_protocol import (
+from router.worker.lines import (
     FINAL_HELLO_REFUSALS,
     MAX_LINE_BYTES,
     hello_message,
     sync_refusals,
 )
-from router.client_requests import ConnectionGone, ControlError, RequestBook
+from router.worker.requests import ConnectionGone, ControlError, RequestBook
 
 
 def written(lines: list[bytes]) -> list[dict[str, object]]:

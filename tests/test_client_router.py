@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from router_fixtures import RawLease, Rig, open_rig, router_config, wait_until
 
-from router import client as client_module
 from router.client import ControlClient, ControlError
-from router.service import RouterService
+from router.service.router_service import RouterService
+from router.worker import client as client_module
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""Pure tests for router.control: a connection's session over the core.
+"""Pure tests for router.control.session: a connection's session over the core.
 
 Playbook steps send real lines through `decode_line`, `ControlSession.handle` and
 `encode`, on named connections, and assert each reply and the whole state after it.
@@ -43,10 +43,10 @@ from playbook import (
     policy,
 )
 
-from router.control import ControlSession, Peer
-from router.control_codec import MAX_KEY_CHARS, MAX_LINE_BYTES, decode_line, encode
-from router.core import CoreSettings, RouterCore
-from router.workers import WorkerOrigin
+from router.control.session import ControlSession, Peer
+from router.core.machine import CoreSettings, RouterCore
+from router.core.workers import WorkerOrigin
+from router.protocol.control import MAX_KEY_CHARS, MAX_LINE_BYTES, decode_line, encode
 
 # Hypothesis caches what it learns of the source: not in the work tree.
 set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "episode-router-hypothesis")

@@ -1,4 +1,4 @@
-"""Pure tests for router.control_codec: one line to a request or an error reply, and one
+"""Pure tests for router.protocol.control: one line to a request or an error reply, and one
 reply to a line."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from router.control_codec import decode_line, encode
+from router.protocol.control import decode_line, encode
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import pytest
 from router_fixtures import RawLease, Rig, open_rig, wait_until
 
 from router.client import ControlClient
-from router.control_codec import MAX_LINE_BYTES
+from router.protocol.control import MAX_LINE_BYTES
 
 pytestmark = pytest.mark.timeout(60)
 

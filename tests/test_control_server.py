@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 from router_fixtures import MiB, RawLease, wait_until
 
-from router.control import ControlPolicy
-from router.control_server import ControlServer, ControlSocketInUse
-from router.core import CoreSettings, RouterCore
-from router.journal import JournalFile
-from router.metrics import RouterMetrics
-from router.workers import Worker
+from router.control.server import ControlServer, ControlSocketInUse
+from router.control.session import ControlPolicy
+from router.core.machine import CoreSettings, RouterCore
+from router.core.workers import Worker
+from router.metrics.registry import RouterMetrics
+from router.service.journal import JournalFile
 
 pytestmark = pytest.mark.timeout(30)
 

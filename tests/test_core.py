@@ -1,4 +1,4 @@
-"""Pure tests for router.core: routing decisions, leases, grace, recovery and static probes.
+"""Pure tests for router.core.machine: routing decisions, leases, grace, recovery and static probes.
 
 Each test is a playbook: steps against one core with a fake clock, asserting each
 outcome and the whole state (claims, tombstones, workers, retirements) after it.
@@ -33,10 +33,10 @@ from playbook import (
     W,
 )
 
-from router.answers import Answer
-from router.claims import ClaimRefusal, SyncResult
-from router.core import MAX_EXITED_WORKERS, CoreSettings, Forward, RouterCore
-from router.workers import WorkerOrigin
+from router.core.answers import Answer
+from router.core.claims import ClaimRefusal, SyncResult
+from router.core.machine import MAX_EXITED_WORKERS, CoreSettings, Forward, RouterCore
+from router.core.workers import WorkerOrigin
 
 STATIC = WorkerOrigin.STATIC
 JOURNAL = WorkerOrigin.JOURNAL

@@ -32,7 +32,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import AdminConfig, Config, ConfigError, parse_config
-from router.metrics import RouterMetrics
+from router.metrics.registry import RouterMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

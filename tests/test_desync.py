@@ -493,7 +493,7 @@ _DROPPED = (
 )
 
 DIFFERS: dict[CaseKey, Differs] = {
-    # Compliant cases the router refuses on purpose (router/framing.py).
+    # Compliant cases the router refuses on purpose (router/edge/framing.py).
     ("more-compliant-tests", "Correct TE OK", "POST"): Differs("refused", _PLAIN_CHUNKED_ONLY),
     ("more-compliant-tests", "Transfer-Encoding: identity and chunked OK", "POST"): Differs(
         "refused", _PLAIN_CHUNKED_ONLY

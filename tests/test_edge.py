@@ -15,12 +15,12 @@ import pytest
 from router_fixtures import EchoWorker, RawHttp, Rig, open_rig, router_config, wait_until
 from test_metrics import scrape, series
 
-from router.answers import Answer
 from router.config import LimitsConfig, TimeoutsConfig
-from router.edge import PARSE_SLICE_BYTES, EdgeLimits, EdgeServer
-from router.edge_request import PublicRequest
-from router.edge_serve import MAX_PIPELINED
-from router.edge_wire import HeadRefusal, head_refusal_answer
+from router.core.answers import Answer
+from router.edge.request import PublicRequest
+from router.edge.server import PARSE_SLICE_BYTES, EdgeLimits, EdgeServer
+from router.edge.serving import MAX_PIPELINED
+from router.edge.wire import HeadRefusal, head_refusal_answer
 
 
 @pytest.fixture

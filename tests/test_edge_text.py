@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.edge_text import HTTP_11, host_text, method_text, target_of, version_of
+from router.edge.head_text import HTTP_11, host_text, method_text, target_of, version_of
 
 
 @pytest.mark.parametrize(

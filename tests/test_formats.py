@@ -1,4 +1,4 @@
-"""Tests for router.formats: pure parsers, checked against values the real libraries produce.
+"""Tests for router.sessions.formats: pure parsers, checked against real libraries' values.
 
 Starlette cookies come from a real SessionMiddleware app driven by Starlette's TestClient (no
 socket, no event loop in the test), and the server's own reading of each cookie is compared with
@@ -29,7 +29,7 @@ from starlette.testclient import TestClient
 from test_key_sources import RFC_DOCUMENT
 
 from router.config import SignatureConfig
-from router.formats import (
+from router.sessions.formats import (
     MAX_KEY_CHARS,
     FormatError,
     itsdangerous_session_key,
@@ -37,7 +37,7 @@ from router.formats import (
     raw_session_key,
     starlette_session_key,
 )
-from router.key_sources import (
+from router.sessions.sources import (
     compile_path_pattern,
     json_pointer,
     parse_cookie_header,

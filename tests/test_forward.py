@@ -1,6 +1,6 @@
 """The forwarding path between a real router app and real workers.
 
-The router is the router's own public server (router.edge) with a handler that calls
+The router is the router's own public server (router.edge.server) with a handler that calls
 `Forwarder.forward` to a fixed upstream. Workers are aiohttp apps, or `RawWorker`
 (scripted bytes) where the reply's framing is the point, on loopback and on Unix sockets
 under tmp_path. Clients are aiohttp clients, or raw sockets where the request's framing
@@ -8,7 +8,7 @@ or the reply's exact bytes matter.
 The header rules are also tested as pure functions, with no event loop.
 
 Every test that forwards runs against both forwarders with the same interface: the one
-built on aiohttp's client (router.forward) and the lean one (router.relay).
+built on aiohttp's client (router.relay.contract) and the lean one (router.relay.forwarder).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from router import relay
-from router.answers import Answer
-from router.edge import EdgeLimits, EdgeServer
-from router.edge_request import PublicRequest
-from router.forward import (
+from router.core.answers import Answer
+from router.edge.request import PublicRequest
+from router.edge.server import EdgeLimits, EdgeServer
+from router.relay import forwarder as relay
+from router.relay.contract import (
     MAX_CACHED_ROLES,
     ForwardTimeouts,
     Upstream,

@@ -1,4 +1,4 @@
-"""Framing the parser lets through and the router refuses (router.framing), pure."""
+"""Framing the parser lets through and the router refuses (router.edge.framing), pure."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from router.framing import content_length_number, framing_problem
+from router.edge.framing import content_length_number, framing_problem
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Probing workers (router.health): the bare connect probe, and the HTTP health checks of
+"""Probing workers (router.service.health): the bare connect probe, and the HTTP health checks of
 static workers (`workers:`) through a real RouterService, on loopback and Unix sockets.
 
 Static workers never speak on the control socket, so their claims are put in the
@@ -27,7 +27,7 @@ from router_fixtures import (
 from test_metrics import scrape, series
 
 from router.config import HealthConfig, StaticWorkerConfig
-from router.health import probe_connect
+from router.service.health import probe_connect
 
 pytestmark = pytest.mark.timeout(30)
 

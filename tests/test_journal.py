@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from router.claims import ClaimState
-from router.core import CoreSettings, RouterCore
-from router.journal import COMPACT_MIN_LINES, COMPACT_RETRY_S, JournalFile, replay, snapshot
-from router.workers import WorkerOrigin, WorkerState
+from router.core.claims import ClaimState
+from router.core.machine import CoreSettings, RouterCore
+from router.core.workers import WorkerOrigin, WorkerState
+from router.service.journal import COMPACT_MIN_LINES, COMPACT_RETRY_S, JournalFile, replay, snapshot
 
 SETTINGS = CoreSettings(kinds={"episode": False}, tombstone_ttl_s=100.0, recovery_window_s=30.0)
 WALL0 = 1_800_000_000.0

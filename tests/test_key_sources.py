@@ -1,4 +1,4 @@
-"""Tests for router.key_sources: the Cookie and Set-Cookie headers, JSON pointers and path patterns.
+"""Tests for router.sessions.sources: Cookie and Set-Cookie headers, JSON pointers, path patterns.
 
 Pure: each grammar is checked against the RFCs' examples and the values Python's servers
 write. The Set-Cookie headers of a real Starlette app are read in test_formats.
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from router.key_sources import (
+from router.sessions.sources import (
     compile_path_pattern,
     json_pointer,
     parse_cookie_header,

@@ -45,7 +45,7 @@ from test_relay import OK, Conversation, stale_after_one
 from test_relay import ScriptedWorker as ConversationWorker
 
 from router.config import TimeoutsConfig
-from router.service import RouterService
+from router.service.router_service import RouterService
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,5 +1,5 @@
-"""Pure tests for router.learn: what a request's reply may teach (`plan_learning`) and what
-`ReplyLearner` makes of a reply, against a real RouterCore with a fake clock.
+"""Pure tests for router.sessions.learning: what a request's reply may teach (`plan_learning`)
+and what `ReplyLearner` makes of a reply, against a real RouterCore with a fake clock.
 
 A reply is shown to the learner as the forwarder shows it: the head first (status, headers
 as a case-insensitive multidict, every Set-Cookie line), then, only when `head` asked for a
@@ -24,7 +24,6 @@ from itsdangerous import TimestampSigner, URLSafeSerializer
 from multidict import CIMultiDict
 from playbook import C, Snapshot, apply_changes, claims_snapshot
 
-from router.answers import Answer
 from router.config import (
     BodyFieldConfig,
     CookieSourceConfig,
@@ -34,10 +33,11 @@ from router.config import (
     SessionKindConfig,
     TokenFormatConfig,
 )
-from router.core import CoreSettings, Forward, RouterCore
-from router.learn import MAX_LEARN_BODY_BYTES, LearningPlan, ReplyLearner, plan_learning
-from router.sessions import SessionReader, SessionRef, kind_from_config
-from router.workers import Worker, WorkerOrigin
+from router.core.answers import Answer
+from router.core.machine import CoreSettings, Forward, RouterCore
+from router.core.workers import Worker, WorkerOrigin
+from router.sessions.learning import MAX_LEARN_BODY_BYTES, LearningPlan, ReplyLearner, plan_learning
+from router.sessions.reader import SessionReader, SessionRef, kind_from_config
 
 WALL = 1_700_000_000.0  # the wall clock cookies' Expires are judged against
 COOKIE = "ResourcesServer___resources"

@@ -47,8 +47,8 @@ from router.config import (
     StaticWorkerConfig,
     parse_config,
 )
-from router.key_sources import set_cookie_value
-from router.learn import MAX_LEARN_BODY_BYTES
+from router.sessions.learning import MAX_LEARN_BODY_BYTES
+from router.sessions.sources import set_cookie_value
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""Pure tests for router.metrics: every method, read back through the exposition text.
+"""Pure tests for router.metrics.registry: every method, read back through the exposition text.
 
 Each test renders the registry, parses it with prometheus_client's own parser and
 asserts the exact samples, so what is checked is what Prometheus would scrape.
@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.answers import STATUS_BY_CODE
-from router.metrics import RouterMetrics
-from router.metrics_labels import CONTROL_OPS
+from router.core.answers import STATUS_BY_CODE
+from router.metrics.labels import CONTROL_OPS
+from router.metrics.registry import RouterMetrics
 
 
 @dataclass

@@ -1,8 +1,8 @@
-"""Pure tests for router.metrics_labels: the fixed sets the metrics' label values come from."""
+"""Pure tests for router.metrics.labels: the fixed sets the metrics' label values come from."""
 
 from __future__ import annotations
 
-from router.metrics_labels import status_class
+from router.metrics.labels import status_class
 
 
 def test_status_class_covers_100_to_599_and_nothing_else() -> None:

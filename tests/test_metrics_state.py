@@ -1,4 +1,4 @@
-"""Pure tests for router.metrics_state: the live state, read back through the exposition text.
+"""Pure tests for router.metrics.state: the live state, read back through the exposition text.
 
 The collector is reached through RouterMetrics, which registers it, and each scrape is
 parsed with prometheus_client's own parser (test_metrics' helpers), so what is checked is

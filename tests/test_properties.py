@@ -5,14 +5,14 @@ Hypothesis drives four surfaces a peer controls:
 - the episode token (`router.tokens.parse_token`): any text, valid tokens mutated, and
   hand-built segments of arbitrary JSON raise nothing but `TokenError`; what is accepted
   keeps DESIGN §2's bounds, and with a verifier it names exactly what was signed;
-- the session formats (`router.formats`): Starlette cookies and itsdangerous tokens,
+- the session formats (`router.sessions.formats`): Starlette cookies and itsdangerous tokens,
   arbitrary and mutated, raise nothing but `FormatError` (and round-trip when valid); the
   cookie and Set-Cookie readers, JSON pointers and path patterns keep their documented
   error contracts;
 - the control codec: `decode_line` never raises and always gives a dict; a
   `ControlSession` fed any sequence of lines answers each request with its id, never
   raises, and every reply encodes as one line;
-- the header filter (`router.forward.request_headers_for_worker`): no hop-by-hop header,
+- the header filter (`router.relay.contract.request_headers_for_worker`): no hop-by-hop header,
   no name with `_`, no client-sent X-Forwarded-*/X-Episode-Router-* value ever reaches a
   worker, and everything else the client sent does, in order.
 
@@ -39,10 +39,11 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from itsdangerous import TimestampSigner, URLSafeSerializer
 
 from router.config import SignatureConfig
-from router.control import ControlPolicy, ControlSession, Peer
-from router.control_codec import decode_line, encode
-from router.core import CoreSettings, RouterCore
-from router.formats import (
+from router.control.session import ControlPolicy, ControlSession, Peer
+from router.core.machine import CoreSettings, RouterCore
+from router.protocol.control import decode_line, encode
+from router.relay.contract import request_headers_for_worker
+from router.sessions.formats import (
     MAX_KEY_CHARS,
     FormatError,
     itsdangerous_session_key,
@@ -50,8 +51,7 @@ from router.formats import (
     raw_session_key,
     starlette_session_key,
 )
-from router.forward import request_headers_for_worker
-from router.key_sources import (
+from router.sessions.sources import (
     compile_path_pattern,
     json_pointer,
     parse_cookie_header,

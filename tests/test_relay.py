@@ -1,4 +1,4 @@
-"""What the lean forwarding path (router.relay) does beyond the shared contract of
+"""What the lean forwarding path (router.relay.forwarder) does beyond the shared contract of
 tests/test_forward.py: its pooled connections, its retry of a stale one, interim replies,
 and the framing of what it relays. A real router app forwards to scripted workers on
 loopback; clients are raw sockets where bytes matter.
@@ -13,10 +13,10 @@ from contextlib import AsyncExitStack
 
 import pytest
 
-from router.answers import Answer
-from router.edge import EdgeLimits, EdgeServer
-from router.edge_request import PublicRequest
-from router.relay import Forwarder, ForwardTimeouts, Upstream, UpstreamFailure
+from router.core.answers import Answer
+from router.edge.request import PublicRequest
+from router.edge.server import EdgeLimits, EdgeServer
+from router.relay.forwarder import Forwarder, ForwardTimeouts, Upstream, UpstreamFailure
 
 pytestmark = pytest.mark.timeout(30)
 

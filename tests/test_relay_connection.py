@@ -18,8 +18,8 @@ from test_relay_pool import (
     started_worker,
 )
 
-from router.relay_connection import INTERRUPTED, TIMED_OUT, WOKE
-from router.relay_parser import CLOSED_BEFORE_REPLY
+from router.relay.connection import INTERRUPTED, TIMED_OUT, WOKE
+from router.relay.reply_parser import CLOSED_BEFORE_REPLY
 
 pytestmark = pytest.mark.timeout(30)
 

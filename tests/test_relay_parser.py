@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.relay_parser import (
+from router.relay.reply_parser import (
     CLOSED_BEFORE_REPLY,
     MAX_REPLY_FIELD,
     MAX_REPLY_HEAD,

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from router import relay_pool
-from router.relay_connection import WOKE, WorkerConnection
-from router.relay_pool import PoolClosed, WorkerPool
-from router.relay_wire import parse_worker_address
+from router.relay import pool as relay_pool
+from router.relay.connection import WOKE, WorkerConnection
+from router.relay.pool import PoolClosed, WorkerPool
+from router.relay.wire import parse_worker_address
 
 pytestmark = pytest.mark.timeout(30)
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"

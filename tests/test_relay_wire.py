@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from router import relay_wire
-from router.forward import keeps_every_reply_header, request_headers_for_worker
-from router.relay_wire import (
+from router.relay import wire as relay_wire
+from router.relay.contract import keeps_every_reply_header, request_headers_for_worker
+from router.relay.wire import (
     WorkerAddress,
     parse_worker_address,
     serialize_request_head,
@@ -80,7 +80,7 @@ def reference_head(
     content_length: int | None = None,
     chunked: bool = False,
 ) -> bytes:
-    """What the relay must send: router.forward's header rules, then the body's framing
+    """What the relay must send: router.relay.contract's header rules, then the body's framing
     set on the result, serialized."""
     out = request_headers_for_worker(
         headers, worker_host="10.0.0.1:9", client_ip="10.0.0.7", scheme="http", extra=BOOT

@@ -26,7 +26,6 @@ from router_fixtures import (
 )
 from test_metrics import scrape, series
 
-from router.claims import ClaimState
 from router.config import (
     Config,
     ConfigError,
@@ -38,8 +37,9 @@ from router.config import (
     load_config,
     parse_config,
 )
-from router.reload import effective_config, plan_reload
-from router.workers import WorkerOrigin, WorkerState
+from router.core.claims import ClaimState
+from router.core.workers import WorkerOrigin, WorkerState
+from router.service.reload import effective_config, plan_reload
 
 # --- pure -----------------------------------------------------------------------------------
 

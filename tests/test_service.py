@@ -36,10 +36,10 @@ from router_fixtures import (
 )
 from test_metrics import scrape, series
 
-from router import journal as journal_module
-from router import spawn as spawn_module
 from router.config import AdminConfig, ListenConfig, SpawnConfig, StateConfig
-from router.service import RouterService
+from router.service import journal as journal_module
+from router.service import spawner as spawn_module
+from router.service.router_service import RouterService
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""Pure tests for router.sessions: which session a request names (DESIGN §4).
+"""Pure tests for router.sessions.reader: which session a request names (DESIGN §4).
 
 Every kind is built as the service builds it, `kind_from_config(SessionKindConfig(...))`,
 and every value is minted as the server that owns it mints it: episode tokens with the
@@ -31,7 +31,6 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from router.answers import Answer
 from router.config import (
     BodyFieldConfig,
     CookieSourceConfig,
@@ -44,8 +43,9 @@ from router.config import (
     TokenFormatConfig,
     VerifyConfig,
 )
-from router.key_sources import set_cookie_value
-from router.sessions import SessionKind, SessionReader, SessionRef, kind_from_config
+from router.core.answers import Answer
+from router.sessions.reader import SessionKind, SessionReader, SessionRef, kind_from_config
+from router.sessions.sources import set_cookie_value
 from router.tokens import SigningKey, mint_token, new_nonce
 
 NOW = 1_700_000_000  # wall-clock seconds every value is read at

@@ -1,4 +1,4 @@
-"""Tests for router.spawn: pure command rendering and backoff, then real processes."""
+"""Tests for router.service.spawner: pure command rendering and backoff, then real processes."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from router.spawn import (
+from router.service.spawner import (
     SpawnedWorker,
     Spawner,
     SpawnSpec,

@@ -17,7 +17,6 @@ from cryptography.hazmat.primitives.asymmetric.utils import (
     encode_dss_signature,
 )
 
-from router.token_cache import TokenCache
 from router.tokens import (
     MAX_TOKEN_BYTES,
     EpisodeToken,
@@ -29,6 +28,7 @@ from router.tokens import (
     new_nonce,
     parse_token,
 )
+from router.tokens.cache import TokenCache
 
 NOW = 1_700_000_000.0
 SECRET = b"0123456789abcdef0123456789abcdef"

@@ -1,10 +1,10 @@
-"""Pure tests for router.workers: lease states, what each allows, and balancing."""
+"""Pure tests for router.core.workers: lease states, what each allows, and balancing."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.workers import Worker, WorkerOrigin, WorkerRegistry, WorkerState
+from router.core.workers import Worker, WorkerOrigin, WorkerRegistry, WorkerState
 
 URL = "http://127.0.0.1:9001"
 

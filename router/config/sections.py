@@ -45,7 +45,7 @@ from router.config.model import (
 from router.config.reader import _Context, _integer, _Section, _text
 from router.config.secrets import _inline, _secret_text
 from router.config.sessions import _sessions
-from router.spawn_plan import SpawnSpec, plan_workers
+from router.service.spawn_plan import SpawnSpec, plan_workers
 
 _TOP_KEYS: Final = (
     *("listen", "admin", "control", "workers", "health", "spawn", "sessions"),

@@ -39,7 +39,7 @@ from router.config.secrets import (
     _read_secret,
     _secret,
 )
-from router.key_sources import compile_path_pattern, parse_json_pointer
+from router.sessions.sources import compile_path_pattern, parse_json_pointer
 
 _SESSION_NAME: Final = re.compile(r"[a-z0-9_]{1,32}")
 # RFC 9110 token characters without '_': the router drops such headers (DESIGN §8).

@@ -1,0 +1,373 @@
+"""The public handler: read the session, ask the core, forward or answer.
+
+This module owns the routing flow of one request: the early refusals, the session read
+from its head, path or body, the core's decision, the forward (on the relay's lane when
+it can go at once, else as a coroutine), the retries of a sessionless request, and the
+metrics and access log of a request that is done. It never writes an answer itself
+(`router.app.exchange` does, and picks the answer a failed forward gets, but for the
+core's answer when a sessionless retry finds no worker), and never builds where a
+forward goes (`router.app.destination`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Final
+
+from router.app.destination import destination
+from router.app.exchange import BODY_OVER_LIMIT, MAX_LOGGED_PATH, Exchange, failure_answer
+from router.core.answers import Answer
+from router.core.machine import Forward, RouterCore
+from router.core.workers import Worker
+from router.edge.framing import framing_problem
+from router.edge.request import BodyBroken, PublicRequest
+from router.metrics.registry import RouterMetrics
+from router.relay.forwarder import Forwarder, UpstreamFailure
+from router.sessions.learning import ReplyLearner, plan_learning
+from router.sessions.reader import SessionReader, SessionRef
+
+log = logging.getLogger("episode_router.public")
+access_log = logging.getLogger("episode_router.access")
+
+MAX_SESSIONLESS_TRIES: Final = 3  # a sessionless request nothing of which reached a worker
+# A Final name: the compiled build keeps it in a C variable, where an imported name is
+# looked up in the module's dict at each call (~130 instructions, three times a
+# request; callgrind on bench.hotpath, compiled).
+_perf_counter: Final = time.perf_counter
+
+
+class PublicHandler:
+    """Routes one request at a time; holds no per-request state of its own."""
+
+    def __init__(
+        self,
+        core: RouterCore,
+        sessions: SessionReader,
+        forwarder: Forwarder,
+        *,
+        check_worker: Callable[[Worker], Awaitable[bool]],
+        max_body_bytes: int | None = None,
+        metrics: RouterMetrics | None = None,
+        access_log: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.core = core
+        self.sessions = sessions
+        self.forwarder = forwarder
+        # Probes a worker whose forward failed and retires it if nothing listens.
+        self._check_worker = check_worker
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+        self.access_log = access_log  # one line per request (log.access)
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self.shutting_down = False
+
+    def handle(self, request: PublicRequest) -> Coroutine[Any, Any, None] | None:
+        """Answers or forwards `request`; its reply goes out through its connection.
+
+        What can be done at once is (the edge's handler contract, `router.edge.server.Handler`):
+        an answer of the router's own, and a forward the relay can start without a task
+        (`Forwarder.start`), after which the relay's callback finishes the request. None
+        then, and `request.client.finished()` is called once the reply is out. Anything
+        that must wait (a body to read for its session, a new worker connection, a
+        reply to stream, a failure to look into) is returned as a coroutine to run.
+        """
+        exchange = Exchange(self, request, _perf_counter())
+        refusal = self._refuse_early(request)
+        if refusal is None:
+            reader = self.sessions
+            if reader.has_seeds:
+                exchange.seeding = reader.seeding(request.method, exchange.path)
+            found = reader.read_head(request, self._wall_clock(), exchange.seeding)
+            if found is None and reader.reads_bodies and _small_json_body(request, reader):
+                return self._session_from_body(exchange)
+            decision = self._route(exchange, found)
+            if decision is not None:
+                # A reply a learner must see goes the coroutine path (Forwarder.forward).
+                observer = self._learner(exchange, decision.worker)
+                if observer is None and self._start_forward(exchange, decision):
+                    return None  # lane_done finishes it
+                # Counted in flight now, with the decision: the next request the loop
+                # routes before this coroutine runs must see it (workers.pick).
+                first = self._try_worker(exchange, decision, observer)
+                return self._forward_and_finish(exchange, decision, first)
+        else:
+            self._answer(exchange, refusal)
+        request.client.finished(request)
+        return None
+
+    async def _session_from_body(self, exchange: Exchange) -> None:
+        request = exchange.request
+        _continue_if_expected(request)  # the session is in the body: let it come
+        try:
+            exchange.body = await request.read()
+        except BodyBroken as broken:
+            exchange.body_broke(broken)
+            self._finish(exchange)
+            return
+        found = self.sessions.read_body(exchange.body, exchange.seeding)
+        decision = self._route(exchange, found)
+        if decision is not None:
+            await self._forward_and_finish(exchange, decision)
+
+    def _route(self, exchange: Exchange, found: SessionRef | Answer | None) -> Forward | None:
+        """Where the request goes, from the session read so far; None when the router
+        answered it itself (the answer is out and counted)."""
+        if found is None and self.sessions.reads_paths:
+            found = self.sessions.read_path(exchange.path, exchange.seeding)
+        if isinstance(found, Answer):
+            # A session source refused (a bad token, an ambiguous header): counted and
+            # logged under its kind, its decision timed like any other.
+            exchange.kind = found.kind
+            if self.metrics is not None:
+                exchange.decided = _perf_counter()
+            self._answer(exchange, found)
+            return None
+        exchange.found = found
+        # Not a conditional tuple unpacked: the compiled build iterates that one as an
+        # object (~430 instructions, callgrind on bench.hotpath).
+        kind: str | None = None
+        key: str | None = None
+        if found is not None:
+            kind = found.kind
+            key = found.key
+            if found.one_line is not None:
+                header = self.sessions.by_name[kind].header
+                if header is not None:
+                    exchange.request.keep_one_header(header, found.one_line)
+        exchange.kind = kind
+        decision = self.core.route(kind, key, self._clock())
+        if self.metrics is not None:
+            # Observed when the request ends or its forward coroutine begins
+            # (_decision_observed), not here: the histogram is then off the path to the
+            # worker's write (~800 instructions, callgrind on the router serving serial
+            # requests).
+            exchange.decided = _perf_counter()
+        if isinstance(decision, Answer):
+            self._answer(exchange, decision)
+            return None
+        return decision
+
+    def _answer(self, exchange: Exchange, answer: Answer) -> None:
+        exchange.answer(answer)
+        self._finish(exchange)
+
+    async def _forward_and_finish(
+        self,
+        exchange: Exchange,
+        decision: Forward,
+        first: Awaitable[int | UpstreamFailure] | None = None,
+    ) -> None:
+        self._decision_observed(exchange)
+        try:
+            await self._forward(exchange, decision, first)
+        except BodyBroken as broken:
+            exchange.body_broke(broken)
+        self._finish(exchange)
+
+    def _finish(self, exchange: Exchange) -> None:
+        """Counts and logs a request the router is done with."""
+        elapsed = _perf_counter() - exchange.started
+        metrics = self.metrics
+        if metrics is not None:
+            self._decision_observed(exchange)
+            metrics.request_done(exchange.kind, exchange.outcome, exchange.status, elapsed)
+        if self.access_log:
+            request = exchange.request
+            access_log.info(
+                "request",
+                extra={
+                    "method": request.method,
+                    "path": exchange.path[:MAX_LOGGED_PATH],
+                    "status": exchange.status,
+                    "outcome": exchange.outcome,
+                    "kind": exchange.kind,
+                    "duration_ms": round(elapsed * 1000, 3),
+                    "client": request.remote,
+                },
+            )
+
+    def refused_at_the_edge(self, answer: Answer) -> None:
+        """A request head the edge refused (400, 414, 431) before this handler saw it:
+        counted as the handler's own answers are (sessionless: no session was read)."""
+        if self.metrics is not None:
+            self.metrics.request_done(None, answer.code, answer.status, 0.0)
+
+    def _decision_observed(self, exchange: Exchange) -> None:
+        """Observes how long routing `exchange` took, once: when it ends (an answer, a
+        reply relayed on the lane) or when its forward coroutine begins (a reply that
+        may stream for long is counted at its start)."""
+        decided = exchange.decided
+        if decided and self.metrics is not None:
+            exchange.decided = 0.0
+            self.metrics.decision_seconds(decided - exchange.started)
+
+    def _refuse_early(self, request: PublicRequest) -> Answer | None:
+        if self.shutting_down:
+            return Answer("shutting_down", "The router is shutting down.", retry_after_s=1.0)
+        length = request.content_length
+        problem = framing_problem(
+            request.method,
+            request.version,
+            request.getall("Transfer-Encoding", []) if request.chunked else (),
+            length,
+            request.target,
+        )
+        if problem is not None:
+            return Answer("bad_request", problem)
+        if self.max_body_bytes is not None and length is not None and length > self.max_body_bytes:
+            return BODY_OVER_LIMIT
+        return None
+
+    async def _forward(
+        self,
+        exchange: Exchange,
+        decision: Forward,
+        first: Awaitable[int | UpstreamFailure] | None = None,
+    ) -> None:
+        """Forwards, and on a failure answers it or tries another worker. `first`: the
+        outcome of a first try already made (counted in flight with the decision, or a
+        forward the lane handed over); None to make it here."""
+        request = exchange.request
+        sessionless = exchange.found is None
+        _continue_if_expected(request)  # the worker never sees Expect: said here
+        tried: set[str] = set()
+        while True:
+            worker = decision.worker
+            tried.add(worker.id)
+            outcome = await (
+                first or self._try_worker(exchange, decision, self._learner(exchange, worker))
+            )
+            first = None
+            if not isinstance(outcome, UpstreamFailure):
+                exchange.status = outcome
+                return
+            if exchange.failed_by_client(outcome):
+                return
+            if self.metrics is not None:
+                self.metrics.upstream_failure(worker.id, outcome.kind)
+            gone = outcome.kind != "timeout" and await self._check_worker(worker)
+            # Nothing of it reached that worker (a refused or failed connect, a pool closed
+            # under it as the worker was replaced, an address the relay cannot use):
+            # another one may take a sessionless request. Not after a timeout: each try
+            # would cost one.
+            retriable = sessionless and outcome.kind != "timeout" and not outcome.request_sent
+            if retriable and len(tried) < MAX_SESSIONLESS_TRIES:
+                retry = self.core.balance(None, frozenset(tried))
+                if isinstance(retry, Forward):
+                    decision = retry
+                    continue
+                return exchange.answer(retry)
+            return exchange.answer(failure_answer(outcome, gone, decision))
+
+    def _try_worker(
+        self, exchange: Exchange, decision: Forward, observer: ReplyLearner | None
+    ) -> Coroutine[Any, Any, int | UpstreamFailure]:
+        """One forward to the decision's worker, its reply shown to `observer`, counted in
+        flight from now on."""
+        worker = decision.worker
+        worker.in_flight += 1
+        upstream, extra, public_base = destination(decision, exchange.request.host)
+        forward = self.forwarder.forward(
+            exchange.request,
+            upstream,
+            extra_headers=extra,
+            public_base=public_base,
+            body=exchange.body,
+            observer=observer,
+        )
+        return self._attempt(worker, forward)
+
+    async def _attempt(
+        self, worker: Worker, forward: Coroutine[Any, Any, int]
+    ) -> int | UpstreamFailure:
+        """The outcome of one forward to `worker`, counted in flight until it ends."""
+        try:
+            return await forward
+        except UpstreamFailure as failure:
+            return failure
+        finally:
+            worker.in_flight -= 1
+
+    def _start_forward(self, exchange: Exchange, decision: Forward) -> bool:
+        """Starts the forward on the relay's lane (`Forwarder.start`) when it can go at
+        once; False when it cannot."""
+        worker = decision.worker
+        worker.in_flight += 1
+        upstream, extra, public_base = destination(decision, exchange.request.host)
+        exchange.decision = decision
+        started = self.forwarder.start(
+            exchange.request,
+            upstream,
+            exchange,
+            extra_headers=extra,
+            public_base=public_base,
+            body=exchange.body,
+        )
+        if not started:
+            worker.in_flight -= 1
+        return started
+
+    def lane_done(self, exchange: Exchange, result: int | Coroutine[Any, Any, int]) -> None:
+        """The relay's callback for a forward on its lane (`Exchange.lane_done`): the
+        reply went out (`result` is its status), or the rest of the forward is a
+        coroutine to run."""
+        request = exchange.request
+        decision = exchange.decision
+        assert decision is not None
+        if isinstance(result, int):
+            decision.worker.in_flight -= 1
+            exchange.status = result
+            self._finish(exchange)
+            request.client.finished(request)
+            return
+        first = self._attempt(decision.worker, result)
+        request.client.carry_on(request, self._forward_and_finish(exchange, decision, first))
+
+    def _learner(self, exchange: Exchange, worker: Worker) -> ReplyLearner | None:
+        """A watcher for the reply when it may teach a claim (seed, close, MCP)."""
+        reader = self.sessions
+        if not reader.learns:
+            return None
+        request = exchange.request
+        plan = plan_learning(
+            reader,
+            request.method,
+            exchange.path,
+            exchange.found,
+            exchange.seeding,
+            request,
+            self._wall_clock(),
+        )
+        if not plan:
+            return None
+        return ReplyLearner(
+            plan,
+            self.core,
+            worker,
+            clock=self._clock,
+            wall_clock=self._wall_clock,
+            metrics=self.metrics,
+        )
+
+
+def _continue_if_expected(request: PublicRequest) -> None:
+    """`100 Continue` for a client that waits for it before it sends the body (once:
+    the edge then clears `expect_continue`); without it, the client stalls until its
+    own expect timeout."""
+    if request.expect_continue and not request.body_complete:
+        request.client.send_continue()
+
+
+def _small_json_body(request: PublicRequest, reader: SessionReader) -> bool:
+    """A body kind may look only at a JSON body whose length is known and small:
+    anything else names no session (and is streamed, never buffered)."""
+    length = request.content_length
+    if length is None or length > reader.max_body_bytes:
+        return False
+    media = request.content_type
+    return media == "application/json" or media.endswith("+json")

@@ -1,0 +1,164 @@
+"""The admin listener (DESIGN §6): health, readiness, and read-only views of the state.
+
+Separate from the public port and on loopback by default. Boot ids are never
+shown. Reads the core; changes nothing but a worker's drain flag.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from router.config import ConfigError, is_loopback_host
+from router.core.workers import Worker, WorkerState
+
+if TYPE_CHECKING:
+    from router.service.router_service import RouterService
+
+_SERVICE: web.AppKey[RouterService] = web.AppKey("service")
+_OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+def admin_application(service: RouterService) -> web.Application:
+    app = web.Application(middlewares=[_require_token])
+    app[_SERVICE] = service
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/admin/workers", _workers)
+    app.router.add_get("/admin/sessions/{kind}/{key}", _session)
+    app.router.add_post("/admin/reload", _reload)
+    app.router.add_post("/admin/workers/{id}/drain", _drain)
+    app.router.add_delete("/admin/workers/{id}/drain", _undrain)
+    return app
+
+
+@web.middleware
+async def _require_token(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Off loopback, everything but health and metrics needs the bearer token."""
+    service = request.app[_SERVICE]
+    if request.path not in _OPEN_PATHS and not is_loopback_host(service.config.admin.host):
+        token = service.config.admin.token or ""
+        # Header bytes that are not UTF-8 arrive surrogate-escaped: turned back into the
+        # bytes that were sent, they are simply a wrong token (401), not an encode error.
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+            return web.json_response(
+                {"error": "unauthorized", "detail": "A bearer token is required."}, status=401
+            )
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body, content_type = request.app[_SERVICE].metrics.render(request.headers.get("Accept", ""))
+    # The content type carries a charset and a version, which aiohttp's `content_type=`
+    # refuses: pass it as a header.
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    core = request.app[_SERVICE].core
+    recovering = core.recovering(time.monotonic())
+    ready = recovering or core.workers.any_live()
+    workers = list(core.workers)
+    body = {
+        "ready": ready,
+        "recovering": recovering,
+        "live_workers": sum(1 for w in workers if w.state is WorkerState.LIVE),
+        "accepting_workers": sum(1 for w in workers if w.accepts_new_sessions),
+    }
+    return web.json_response(body, status=200 if ready else 503)
+
+
+def worker_view(worker: Worker, held: int, pid: int | None = None) -> dict[str, Any]:
+    """What the admin API shows of a worker (never its boot id). `pid` is known
+    for workers the router spawned."""
+    return {
+        "id": worker.id,
+        "url": worker.url,
+        "state": worker.state.value,
+        "origin": worker.origin.value,
+        "draining": worker.draining,
+        "generation": worker.generation,
+        "claims": held,
+        "in_flight": worker.in_flight,
+        "pid": pid,
+    }
+
+
+async def _workers(request: web.Request) -> web.Response:
+    service = request.app[_SERVICE]
+    core = service.core
+    views = [
+        worker_view(w, core.claims.held_count(w.id), service.worker_pid(w.id))
+        for w in sorted(core.workers, key=_by_id)
+    ]
+    return web.json_response({"workers": views})
+
+
+def _by_id(worker: Worker) -> str:
+    return worker.id
+
+
+async def _session(request: web.Request) -> web.Response:
+    core = request.app[_SERVICE].core
+    kind, key = request.match_info["kind"], request.match_info["key"]
+    claim = core.session_info(kind, key)
+    if claim is None:
+        detail = "The router holds no claim and remembers no end for this session."
+        body = {"error": "unknown_session", "detail": detail, "kind": kind, "key": key}
+        return web.json_response(body, status=404)
+    age = time.monotonic() - claim.since
+    return web.json_response(
+        {
+            "kind": kind,
+            "key": key,
+            "worker": claim.worker,
+            "state": claim.state.value,
+            "age_s": round(age, 3),
+            "learned": claim.learned,
+        }
+    )
+
+
+async def _reload(request: web.Request) -> web.Response:
+    """Reload the config file; a bad one is refused with its reason, the old one stays."""
+    service = request.app[_SERVICE]
+    try:
+        plan = service.reload_from_file()
+    except LookupError as exc:
+        return web.json_response({"error": "no_config_file", "detail": str(exc)}, status=409)
+    except (ConfigError, ValueError) as exc:
+        body = {"error": "invalid_config", "detail": f"{exc}; the running config stays."}
+        return web.json_response(body, status=400)
+    return web.json_response(
+        {"ok": True, "applied": list(plan.applied), "needs_restart": list(plan.needs_restart)}
+    )
+
+
+async def _set_drain(request: web.Request, on: bool) -> web.Response:
+    service = request.app[_SERVICE]
+    core = service.core
+    worker = core.workers.get(request.match_info["id"])
+    if worker is None:
+        detail = "No worker with this id is known (or it exited long ago)."
+        return web.json_response({"error": "unknown_worker", "detail": detail}, status=404)
+    core.set_draining(worker, on)
+    view = worker_view(worker, core.claims.held_count(worker.id), service.worker_pid(worker.id))
+    return web.json_response({"ok": True, "worker": view})
+
+
+async def _drain(request: web.Request) -> web.Response:
+    return await _set_drain(request, True)
+
+
+async def _undrain(request: web.Request) -> web.Response:
+    return await _set_drain(request, False)

@@ -1,0 +1,103 @@
+"""Binding a router's two TCP listeners: the public port and the admin port.
+
+`serve_public` binds the public port to an `EdgeServer`; `serve_admin` binds an
+aiohttp application to the admin port; `bound_port` reads back the port the
+admin listener got (the config may ask for port 0). A bind failure is an
+OSError that names the config section whose address it was.
+
+It owns the binding options (backlog, address reuse, the admin runner's
+shutdown) and nothing else: it never handles a request, never builds the edge
+server or the admin application it is given, and never closes what it bound
+(the caller's `stop` does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+
+from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+
+from router.app.exchange import MAX_LOGGED_PATH
+from router.edge.server import EdgeServer
+
+PUBLIC_BACKLOG = 1024  # pending connections on the public port (asyncio's default: 100)
+
+
+async def serve_public(edge: EdgeServer, host: str, port: int) -> asyncio.Server:
+    """The public listener: every connection to `edge`."""
+    with _naming_the_listener("listen", host, port):
+        loop = asyncio.get_running_loop()
+        return await loop.create_server(
+            edge, host, port, reuse_address=True, backlog=PUBLIC_BACKLOG
+        )
+
+
+async def serve_admin(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    access_log: logging.Logger | None,
+    shutdown_grace_s: float,
+) -> web.BaseRunner:
+    """The admin listener, serving `app`; `access_log` None logs no requests."""
+    with _naming_the_listener("admin", host, port):
+        runner = web.AppRunner(
+            app,
+            access_log=access_log,
+            access_log_class=AdminAccessLogger,
+            shutdown_timeout=shutdown_grace_s,
+            handle_signals=False,
+        )
+        return await _start_site(runner, host, port)
+
+
+def bound_port(runner: web.BaseRunner) -> int:
+    address = runner.addresses[0]
+    return int(address[1])
+
+
+async def _start_site(runner: web.BaseRunner, host: str, port: int) -> web.BaseRunner:
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()  # not ours to keep: stop() only knows a started runner
+        raise
+    return runner
+
+
+@contextlib.contextmanager
+def _naming_the_listener(section: str, host: str, port: int) -> Iterator[None]:
+    """A bind failure says which config section's address it was: asyncio's message
+    names the address only, and the operator has two listeners to look at."""
+    try:
+        yield
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        named = OSError(f"{section} {host}:{port}: {reason}")  # str(): the message alone
+        named.errno = exc.errno
+        raise named from exc
+
+
+class AdminAccessLogger(AbstractAccessLogger):
+    """An admin request's access line in the public one's shape (fields, not aiohttp's
+    Apache-style text), so the log stays one JSON object per line."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        self.logger.info(
+            "admin request",
+            extra={
+                "method": request.method,
+                "path": request.path[:MAX_LOGGED_PATH],
+                "status": response.status,
+                "duration_ms": round(time * 1000, 3),
+                "client": request.remote,
+            },
+        )

@@ -1,0 +1,111 @@
+"""What each part of a router is built from: a `Config` turned into that part's settings.
+
+`RouterService` builds its parts from these at start and, for what a reload may
+change, hands the running parts the values they give then, so the two never
+disagree: `core_settings` (the core), `session_kinds` (the public handler's
+session reader), `forward_timeouts` (the forwarder), `edge_limits` (the public
+server), `control_policy` (the control socket) and `spawn_spec` (the spawner).
+`warn_of_a_short_lease` says at start what a config allows but the protocol
+advises against.
+
+Pure but for that one warning: nothing here opens a socket, starts a task or
+changes a part that is running; the caller hands the values on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from router.config import Config, SpawnConfig
+from router.control.session import ControlPolicy
+from router.core.machine import CoreSettings
+from router.edge.server import EdgeLimits
+from router.relay.forwarder import ForwardTimeouts
+from router.service.spawner import SpawnSpec, plan_workers
+from router.sessions.reader import SessionKind, kind_from_config
+
+log = logging.getLogger("episode_router")
+
+# DESIGN §3: the longest a worker keeping the protocol may stay silent on its connection.
+WORKER_SILENCE_MAX_S = 5.0
+
+
+def core_settings(config: Config) -> CoreSettings:
+    return CoreSettings(
+        kinds={kind.name: kind.unclaimed == "forward" for kind in config.sessions},
+        mcp_kinds=frozenset(kind.name for kind in config.sessions if kind.mcp is not None),
+        lease_timeout_s=config.control.lease_timeout_s,
+        reconnect_grace_s=config.control.reconnect_grace_s,
+        tombstone_ttl_s=config.claims.tombstone_ttl_s,
+        max_tombstones=config.claims.max_tombstones,
+        recovery_window_s=config.claims.recovery_window_s,
+        learned_idle_ttl_s=config.claims.learned_idle_ttl_s,
+        health_failures=config.health.failures,
+    )
+
+
+def session_kinds(config: Config) -> list[SessionKind]:
+    return [kind_from_config(kind) for kind in config.sessions]
+
+
+def forward_timeouts(config: Config) -> ForwardTimeouts:
+    timeouts = config.timeouts
+    return ForwardTimeouts(
+        connect_s=timeouts.connect_s,
+        first_byte_s=timeouts.first_byte_s,
+        stream_idle_s=timeouts.stream_idle_s,
+    )
+
+
+def edge_limits(config: Config) -> EdgeLimits:
+    """The public server's per-connection bounds."""
+    limits = config.limits
+    return EdgeLimits(
+        header_timeout_s=limits.header_timeout_s,
+        idle_timeout_s=limits.idle_timeout_s,
+        max_line_bytes=limits.max_line_bytes,
+        max_header_bytes=limits.max_header_bytes,
+        max_headers=limits.max_headers,
+        body_timeout_s=limits.body_timeout_s,
+    )
+
+
+def control_policy(config: Config, router_boot: str) -> ControlPolicy:
+    """Who may say hello on the control socket, for the router of boot `router_boot`."""
+    control = config.control
+    return ControlPolicy(
+        own_uid=os.getuid(),
+        allowed_uids=frozenset(control.allowed_uids),
+        allowed_upstreams=frozenset(control.allowed_upstreams),
+        secret=control.secret,
+        router_boot=router_boot,
+        spawned_ids=frozenset(
+            worker.worker_id
+            for worker in (plan_workers(spawn_spec(config.spawn)) if config.spawn else ())
+        ),
+    )
+
+
+def spawn_spec(spawn: SpawnConfig) -> SpawnSpec:
+    """The worker processes the spawner starts and how it stops them."""
+    return SpawnSpec(
+        command=spawn.command,
+        count=spawn.count,
+        base_port=spawn.base_port,
+        host=spawn.host,
+        stop_timeout_s=spawn.stop_timeout_s,
+    )
+
+
+def warn_of_a_short_lease(lease_timeout_s: float) -> None:
+    """A lease under two of the protocol's silences suits only workers that ping more
+    often than it asks (tests do): one that sends something every 5 s would be taken
+    as lost whenever a ping is a little late, or every time at 5 s and under.
+    Allowed, but said at start."""
+    if lease_timeout_s < 2 * WORKER_SILENCE_MAX_S:
+        log.warning(
+            "control.lease_timeout_s is under 10 s: a worker that pings only every 5 s, "
+            "as the protocol allows, may be taken as lost",
+            extra={"lease_timeout_s": lease_timeout_s},
+        )

@@ -1,0 +1,202 @@
+"""Learning claims from replies, for workers that never speak on the control socket.
+
+A seed route's 2xx reply teaches the router the session it created (from
+Set-Cookie, a reply header, or a JSON pointer into a small body); a close
+route's 2xx reply ends one; every reply on the MCP path that carries
+`Mcp-Session-Id` teaches that session, and a 2xx answer to DELETE there ends
+it (DESIGN §4, §7).
+
+`plan_learning` decides, from the request alone, whether a reply needs
+watching at all, so requests that cannot teach anything (every episode-token
+call) pay nothing. `ReplyLearner` is the observer the forwarder shows the reply
+to; it changes the claim table through the core, before the client sees the
+reply. Pure: no I/O, `now` comes from the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from router.core.machine import RouterCore
+from router.core.workers import Worker
+from router.metrics.registry import RouterMetrics
+from router.sessions.formats import FormatError, mcp_session_key
+from router.sessions.reader import Headers, SessionKind, SessionReader, SessionRef, session_key
+from router.sessions.sources import json_pointer, set_cookie_value
+from router.tokens.errors import RefusedValue
+
+log = logging.getLogger("episode_router.learn")
+
+MAX_LEARN_BODY_BYTES = 65536  # a seed reply larger than this is relayed without learning
+
+
+@dataclass(frozen=True, slots=True)
+class LearningPlan:
+    """What one request's reply may teach."""
+
+    seed: tuple[SessionKind, ...] = ()  # kinds whose seed route this request is
+    close: SessionRef | None = None  # the session a close route ends
+    mcp: SessionKind | None = None  # the MCP kind, when the request is on its path
+    mcp_release: str | None = None  # the Mcp-Session-Id a DELETE ends
+
+    def __bool__(self) -> bool:
+        return bool(self.seed or self.close or self.mcp)
+
+
+def plan_learning(
+    reader: SessionReader,
+    method: str,
+    path: str,
+    found: SessionRef | None,
+    seeding: frozenset[str],
+    headers: Headers,
+    now: float,
+) -> LearningPlan:
+    """What to watch in the reply to `method path`, which named session `found`; `now`
+    (wall-clock seconds) reads a close route's own session (read_kind)."""
+    seed = tuple(reader.by_name[name] for name in sorted(seeding))
+    close = None
+    if found is not None:
+        kind = reader.by_name[found.kind]
+        if kind.close is not None and kind.close.matches(method, path):
+            close = found
+    if close is None:
+        # A close route of a kind that did not decide the request: a stronger source
+        # routed it (the episode token travels beside the cookie). The session it ends
+        # is named by the kind's own source, as an MCP DELETE's is by its header.
+        for kind in reader.kinds:
+            if kind.close is not None and kind.close.matches(method, path):
+                own = reader.read_kind(kind, headers, now)
+                if isinstance(own, SessionRef):
+                    close = own
+                    break
+    mcp = next((k for k in reader.kinds if k.mcp_path is not None and k.mcp_path == path), None)
+    mcp_release = None
+    if mcp is not None and method == "DELETE":
+        # The MCP session this DELETE ends is its own Mcp-Session-Id, even when the
+        # request was routed by a stronger source (the episode token travels on it).
+        values = headers.getall(mcp.header or "", [])
+        # The same id repeated is one id, as the head's reading took it (routed by it).
+        if values and all(value == values[0] for value in values):
+            try:
+                mcp_release = mcp_session_key(values[0])
+            except FormatError:
+                mcp_release = None
+    return LearningPlan(seed, close, mcp, mcp_release)
+
+
+class ReplyLearner:
+    """Watches one reply and teaches the core what it says (a ReplyObserver)."""
+
+    __slots__ = (
+        "_clock",
+        "_core",
+        "_metrics",
+        "_pending",
+        "_plan",
+        "_taught",
+        "_wall_clock",
+        "_worker",
+    )
+
+    def __init__(
+        self,
+        plan: LearningPlan,
+        core: RouterCore,
+        worker: Worker,
+        *,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float],
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        self._plan = plan
+        self._metrics = metrics
+        self._core = core
+        self._worker = worker
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._pending: list[SessionKind] = []
+        self._taught: list[tuple[str, str]] = []  # what this reply taught, to link them
+
+    def head(self, status: int, headers: Mapping[str, str], set_cookies: list[str]) -> int:
+        plan = self._plan
+        ok = 200 <= status < 300
+        if plan.mcp is not None:
+            self._learn_mcp(plan.mcp, headers, ok)
+        if not ok:
+            return 0
+        if plan.close is not None:
+            self._core.release_learned(self._worker, plan.close.kind, plan.close.key, self._clock())
+        for kind in plan.seed:
+            learn = kind.learn
+            if learn is None:
+                continue
+            if learn.json_pointer is not None:
+                self._pending.append(kind)
+            elif learn.cookie is not None:
+                cookie = set_cookie_value(set_cookies, learn.cookie, now=self._wall_clock())
+                self._learn(kind, cookie)
+            elif learn.header is not None:
+                self._learn(kind, headers.get(learn.header))
+        return MAX_LEARN_BODY_BYTES if self._pending else 0
+
+    def body(self, data: bytes) -> None:
+        try:
+            document = json.loads(data)
+        except (ValueError, RecursionError):
+            log.info("seed reply is not JSON: nothing learned", extra={"worker": self._worker.id})
+            return
+        for kind in self._pending:
+            assert kind.learn is not None and kind.learn.json_pointer is not None
+            try:
+                value = json_pointer(document, kind.learn.json_pointer)
+            except LookupError:
+                value = None
+            usable = isinstance(value, str | int) and not isinstance(value, bool)
+            self._learn(kind, str(value) if usable else None)
+
+    def _learn_mcp(self, kind: SessionKind, headers: Mapping[str, str], ok: bool) -> None:
+        plan = self._plan
+        if plan.mcp_release is not None and ok:
+            self._core.release_learned(self._worker, kind.name, plan.mcp_release, self._clock())
+            return
+        if ok and kind.header is not None and kind.header in headers:
+            self._learn(kind, headers[kind.header])
+
+    def _learn(self, kind: SessionKind, value: str | None) -> None:
+        if not value:
+            log.info(
+                "seed reply named no session", extra={"kind": kind.name, "worker": self._worker.id}
+            )
+            return
+        try:
+            key = session_key(kind, value, self._wall_clock())
+        except RefusedValue as exc:  # a TokenError or a FormatError
+            log.warning(
+                "seed reply's session is unreadable",
+                extra={"kind": kind.name, "worker": self._worker.id, "error": exc.code},
+            )
+            return
+        refusal = self._core.learn(self._worker, kind.name, key, self._clock())
+        if refusal is not None:
+            # DESIGN §4: a learned key another worker holds is not learned: counted, logged.
+            log.warning(
+                "learned claim refused",
+                extra={
+                    "kind": kind.name,
+                    "worker": self._worker.id,
+                    "error": refusal.error,
+                    "holder": refusal.holder,
+                },
+            )
+            if self._metrics is not None:
+                self._metrics.learn_conflict(kind.name)
+            return
+        if self._metrics is not None:
+            self._metrics.learned(kind.name)
+        self._taught.append((kind.name, key))
+        if len(self._taught) > 1:
+            self._core.link_learned(self._taught)
