@@ -37,7 +37,7 @@ from fuzz_harness import instrumented, run
 with instrumented():
     from router.control.session import ControlPolicy, ControlSession, Peer
     from router.core.machine import CoreSettings, RouterCore
-    from router.protocol.control import decode_line, encode
+    from router.protocol.control import decode_line, encode_line
 
 NAME = "control"
 UID = 1000
@@ -144,7 +144,7 @@ def _answer(session: ControlSession, line: bytes, now: float) -> bytes:
         reply = session.handle(request, now)
         assert reply.get("id") == request.get("id"), (request, reply)
     assert isinstance(reply["ok"], bool) and (reply["ok"] or isinstance(reply["error"], str))
-    wire = encode(reply)
+    wire = encode_line(reply)
     assert wire.endswith(b"\n") and wire.count(b"\n") == 1, wire
     return wire
 

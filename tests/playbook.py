@@ -31,7 +31,7 @@ from router.core.claims import Claim as ClaimRecord
 from router.core.claims import ClaimState, ClaimTable
 from router.core.machine import CoreSettings, Forward, RouterCore
 from router.core.workers import Worker, WorkerOrigin
-from router.protocol.control import decode_line, encode
+from router.protocol.control import decode_line, encode_line
 
 ROUTER_BOOT = "router-boot-1"
 OWN_UID = 1000
@@ -504,7 +504,7 @@ class Playbook:
         request = decode_line(line)
         reply = request if "ok" in request else self.connection(conn).handle(request, self.now)
         # What goes on the wire: one compact line that parses back to the same reply.
-        wire = encode(reply)
+        wire = encode_line(reply)
         assert wire.endswith(b"\n") and wire.count(b"\n") == 1, wire
         decoded: dict[str, Any] = json.loads(wire)
         assert decoded == reply, (decoded, reply)

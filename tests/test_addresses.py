@@ -1,4 +1,4 @@
-"""Pure tests for the upstream urls of router.config.addresses: what the config's
+"""Pure tests for the upstream urls of router.protocol.addresses: what the config's
 `workers:` and `allowed_upstreams` and a worker's hello accept, the address each
 names, and which two may be one socket."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.config import (
+from router.protocol.addresses import (
     UpstreamAddress,
     is_loopback_upstream,
     parse_upstream,

@@ -33,8 +33,8 @@ from router.client import (
     parse_control_address,
     sync_messages,
 )
+from router.protocol.control import decode_reply
 from router.worker.connection import ControlConnection
-from router.worker.lines import decode_reply
 
 
 @pytest.fixture
@@ -89,10 +89,10 @@ def test_parse_control_address_refuses(address: str) -> None:
         parse_control_address(address)
 
 
-def test_encode_line_is_compact_utf8_ndjson() -> None:
-    assert encode_line({"op": "claim", "key": "é", "id": 3}) == (
-        '{"op":"claim","key":"é","id":3}\n'.encode()
-    )
+def test_encode_line_is_compact_ascii_ndjson() -> None:
+    line = encode_line({"op": "claim", "key": "é", "id": 3})
+    assert line == b'{"op":"claim","key":"\\u00e9","id":3}\n'
+    assert json.loads(line) == {"op": "claim", "key": "é", "id": 3}
 
 
 @pytest.mark.parametrize(

@@ -11,12 +11,8 @@ import json
 
 import pytest
 
-from router.worker.lines import (
-    FINAL_HELLO_REFUSALS,
-    MAX_LINE_BYTES,
-    hello_message,
-    sync_refusals,
-)
+from router.protocol.control import MAX_LINE_BYTES
+from router.worker.lines import FINAL_HELLO_REFUSALS, hello_message, sync_refusals
 from router.worker.requests import ConnectionGone, ControlError, RequestBook
 
 

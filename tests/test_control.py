@@ -46,7 +46,7 @@ from playbook import (
 from router.control.session import ControlSession, Peer
 from router.core.machine import CoreSettings, RouterCore
 from router.core.workers import WorkerOrigin
-from router.protocol.control import MAX_KEY_CHARS, MAX_LINE_BYTES, decode_line, encode
+from router.protocol.control import MAX_KEY_CHARS, MAX_LINE_BYTES, decode_line, encode_line
 
 # Hypothesis caches what it learns of the source: not in the work tree.
 set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "episode-router-hypothesis")
@@ -585,7 +585,7 @@ def test_sync_may_span_several_messages() -> None:
 
 
 def _wire_size(reply: dict[str, Any]) -> int:
-    return len(encode(reply))
+    return len(encode_line(reply))
 
 
 def test_a_syncs_malformed_entries_are_refused_in_its_own_reply_and_not_kept() -> None:
@@ -885,7 +885,7 @@ class _Side:
     def general(self, conn: str, line: bytes, now: float) -> bytes:
         request = decode_line(line)
         reply = request if "ok" in request else self.sessions[conn].handle(request, now)
-        return encode(reply)
+        return encode_line(reply)
 
     def state(self) -> tuple[object, ...]:
         claims = [*self.core.claims.held(), *self.core.claims.tombstones()]

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from router.protocol.control import decode_line, encode
+from router.protocol.control import decode_line, encode_line
 
 
 @pytest.mark.parametrize(
@@ -86,8 +86,8 @@ def test_well_formed_lines_decode_to_the_request(message: dict[str, Any]) -> Non
 
 
 def test_encode_writes_one_compact_line() -> None:
-    assert encode({"id": 1, "ok": True}) == b'{"id":1,"ok":true}\n'
+    assert encode_line({"id": 1, "ok": True}) == b'{"id":1,"ok":true}\n'
     reply = {"id": "x\ny", "ok": False, "error": "bad_request", "detail": "Line\u2028two."}
-    wire = encode(reply)
+    wire = encode_line(reply)
     assert wire.count(b"\n") == 1 and wire.endswith(b"\n")
     assert json.loads(wire) == reply

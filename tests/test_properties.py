@@ -41,7 +41,7 @@ from itsdangerous import TimestampSigner, URLSafeSerializer
 from router.config import SignatureConfig
 from router.control.session import ControlPolicy, ControlSession, Peer
 from router.core.machine import CoreSettings, RouterCore
-from router.protocol.control import decode_line, encode
+from router.protocol.control import decode_line, encode_line
 from router.relay.contract import request_headers_for_worker
 from router.sessions.formats import (
     MAX_KEY_CHARS,
@@ -455,7 +455,7 @@ def test_a_control_session_answers_every_line_with_its_id(
             assert reply["id"] == request.get("id"), (request, reply)
         assert isinstance(reply["ok"], bool), reply
         assert reply["ok"] or isinstance(reply["error"], str), reply
-        wire = encode(reply)
+        wire = encode_line(reply)
         assert wire.endswith(b"\n") and wire.count(b"\n") == 1
         assert json.loads(wire) == json.loads(json.dumps(reply)), reply
 

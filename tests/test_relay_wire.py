@@ -40,10 +40,13 @@ BOOT = {"X-Episode-Router-Boot": "b1"}
             ),
         ),
         (
-            "http://[::1]:9002/",
+            "http://[::1]:9002",
             WorkerAddress("[::1]:9002", "http://[::1]:9002", "::1", 9002, tcp_literal=True),
         ),
-        ("http://localhost", WorkerAddress("localhost", "http://localhost", "localhost", 80)),
+        (
+            "http://LocalHost:9002",
+            WorkerAddress("LocalHost:9002", "http://LocalHost:9002", "localhost", 9002),
+        ),
         (
             "unix:/run/w.sock",
             WorkerAddress("localhost", "http://localhost", unix_path="/run/w.sock"),
@@ -57,13 +60,16 @@ def test_worker_addresses(url: str, address: WorkerAddress) -> None:
 @pytest.mark.parametrize(
     ("url", "reason"),
     [
-        ("ftp://127.0.0.1:1", "only http://host:port and unix:/path"),
-        ("127.0.0.1:80", "only http://host:port and unix:/path"),
-        ("http://h:1/path", "no path or query"),
-        ("http://h:1?q", "no path or query"),
-        ("http://u@h:1", "no user or fragment"),
-        ("http://h:1#f", "no user or fragment"),
-        ("unix:", "needs a socket path"),
+        ("ftp://127.0.0.1:1", "expected http://host:port or unix:/absolute/path"),
+        ("127.0.0.1:80", "expected http://host:port or unix:/absolute/path"),
+        ("http://localhost", "expected http://host:port"),  # no port 80 by default
+        ("http://[::1]:9002/", "expected http://host:port"),
+        ("http://h:1/path", "expected http://host:port"),
+        ("http://h:1?q", "expected http://host:port"),
+        ("http://u@h:1", "expected http://host:port"),
+        ("http://h:1#f", "expected http://host:port"),
+        ("unix:", "expected http://host:port or unix:/absolute/path"),
+        ("unix:relative.sock", "expected http://host:port or unix:/absolute/path"),
     ],
 )
 def test_unsupported_worker_addresses_say_why(url: str, reason: str) -> None:

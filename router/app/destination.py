@@ -13,9 +13,9 @@ from typing import Final
 
 from router.core.machine import Forward
 from router.core.workers import Worker
+from router.protocol.boot import BOOT_HEADER
 from router.relay.contract import Upstream
 from router.relay.wire import NO_EXTRA
-from router.worker.boot import BOOT_HEADER
 
 __all__ = ["MAX_KEPT_DESTINATIONS", "Destination", "destination", "public_base"]
 

@@ -12,25 +12,18 @@ the modules behind it, each owning one part:
 - `errors`: `ConfigError` and how keys and values are worded in its messages.
 - `model`: the frozen dataclasses and their defaults.
 - `parse`: `parse_config`, `load_config`, `default_config` and the strict YAML loader.
-- `reader`: `_Section`, typed reads of one mapping from the file.
+- `reader`: `Section`, typed reads of one mapping from the file.
 - `sections`: the top-level sections other than `sessions`, and the whole `Config`.
 - `sessions`: session kinds, their key sources and routes.
-- `addresses`: hosts (`is_loopback_host`), upstream URLs (`parse_upstream`),
-  control sockets (`is_tcp_socket`) and listener clashes.
+- `addresses`: what the config refuses of an address (the grammar is
+  `router.protocol.addresses`'), control sockets (`is_tcp_socket`) and listener clashes.
 - `secrets`: `*_env` / `*_file` secrets and public key files.
 
 None of it may open a socket, start a task or log, or put a secret's value in
 an error message.
 """
 
-from router.config.addresses import (
-    UpstreamAddress,
-    is_loopback_host,
-    is_loopback_upstream,
-    is_tcp_socket,
-    parse_upstream,
-    same_upstream,
-)
+from router.config.addresses import is_tcp_socket
 from router.config.errors import ConfigError
 from router.config.model import (
     AdminConfig,
@@ -81,15 +74,10 @@ __all__ = [
     "StaticWorkerConfig",
     "TimeoutsConfig",
     "TokenFormatConfig",
-    "UpstreamAddress",
     "VerifyConfig",
     "check_config",
     "default_config",
-    "is_loopback_host",
-    "is_loopback_upstream",
     "is_tcp_socket",
     "load_config",
     "parse_config",
-    "parse_upstream",
-    "same_upstream",
 ]

@@ -1,8 +1,8 @@
 """Configuration errors: `ConfigError`, and how the file's keys and values appear in its messages.
 
 This module owns the one error every configuration check raises, and the
-wording helpers its messages share: a key path (`_join`), a string from the
-file (`_quote`, cut short when long) and a value of any type (`_describe`).
+wording helpers its messages share: a key path (`join_key`), a string from the
+file (`quote`, cut short when long) and a value of any type (`describe`).
 
 It must never put a whole container or a secret's value into a message.
 """
@@ -28,16 +28,16 @@ class ConfigError(Exception):
         return (ConfigError, (self.source, self.key_path, self.reason))
 
 
-def _join(path: str, key: str) -> str:
+def join_key(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _quote(text: str) -> str:
+def quote(text: str) -> str:
     """A string from the file, quoted for an error message and cut short when long."""
     return repr(text[:60] + "..." if len(text) > 60 else text)
 
 
-def _describe(value: object) -> str:
+def describe(value: object) -> str:
     """A value for an error message; never the repr of a container (alias bombs are huge)."""
     if value is None:
         return "null"
@@ -46,7 +46,7 @@ def _describe(value: object) -> str:
     if isinstance(value, int | float):
         return f"{'an integer' if isinstance(value, int) else 'a number'} ({value!r})"
     if isinstance(value, str):
-        return f"a string ({_quote(value)})"
+        return f"a string ({quote(value)})"
     if isinstance(value, list | dict):
         return "a list" if isinstance(value, list) else "a mapping"
     return f"a {type(value).__name__}"

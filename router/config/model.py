@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from router.config.addresses import _TCP, _UNIX, _split_host_port
+from router.protocol.addresses import TCP, UNIX, split_host_port
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +57,12 @@ class ControlConfig:
     @property
     def unix_path(self) -> str | None:
         """The Unix socket path, or None when the socket is TCP."""
-        return self.socket[len(_UNIX) :] if self.socket.startswith(_UNIX) else None
+        return self.socket[len(UNIX) :] if self.socket.startswith(UNIX) else None
 
     @property
     def tcp_address(self) -> tuple[str, int] | None:
         """The (host, port) of a tcp:// socket, or None when the socket is Unix."""
-        return _split_host_port(self.socket[len(_TCP) :]) if self.socket.startswith(_TCP) else None
+        return split_host_port(self.socket[len(TCP) :]) if self.socket.startswith(TCP) else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,11 +20,11 @@ from typing import Any, Final
 
 import yaml
 
-from router.config.errors import ConfigError, _join, _quote
+from router.config.errors import ConfigError, join_key, quote
 from router.config.model import Config
-from router.config.reader import _Context, _Section
-from router.config.secrets import _MAX_SECRET_FILE_BYTES
-from router.config.sections import _TOP_KEYS, _check_config, _config
+from router.config.reader import Context, Section
+from router.config.secrets import MAX_SECRET_FILE_BYTES
+from router.config.sections import TOP_KEYS, build_config, check_whole_config
 
 
 def default_config() -> Config:
@@ -45,16 +45,16 @@ def parse_config(
     either is None, a secret that needs it is an error. Raises `ConfigError`
     (prefixed with `source`) for every problem, YAML syntax included.
     """
-    ctx = _Context(source, env or {}, read_file)
+    ctx = Context(source, env or {}, read_file)
     data = _load_yaml(ctx, text)
-    return Config() if data is None else _config(_Section(ctx, "", data, _TOP_KEYS))
+    return Config() if data is None else build_config(Section(ctx, "", data, TOP_KEYS))
 
 
 def check_config(config: Config, *, source: str = "<config>") -> None:
     """Run the checks that span sections (addresses, control authentication, spawned
     workers' ids and urls) on a `Config` no file was parsed into: one built in code, or
     a reload's mix of two files. Raises `ConfigError` prefixed with `source`."""
-    _check_config(_Context(source, {}, None), config)
+    check_whole_config(Context(source, {}, None), config)
 
 
 def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Config:
@@ -84,7 +84,7 @@ def _read_bounded(path: str, limit: int) -> bytes:
 
 
 def _read_secret_file(path: str) -> bytes:
-    return _read_bounded(path, _MAX_SECRET_FILE_BYTES)
+    return _read_bounded(path, MAX_SECRET_FILE_BYTES)
 
 
 # ---------------------------------------------------------------------------- YAML
@@ -136,14 +136,14 @@ def _mapping_children(node: yaml.MappingNode, path: str) -> Iterator[tuple[yaml.
         key, line = key_node.value, key_node.start_mark.line + 1
         if key in seen:
             reason = (
-                f"duplicate key {_quote(key)} (line {line}); YAML would silently keep the last one"
+                f"duplicate key {quote(key)} (line {line}); YAML would silently keep the last one"
             )
-            raise _DuplicateKeyError(_join(path, key), reason)
+            raise _DuplicateKeyError(join_key(path, key), reason)
         seen.add(key)
-        yield value_node, _join(path, key)
+        yield value_node, join_key(path, key)
 
 
-def _load_yaml(ctx: _Context, text: str) -> object:
+def _load_yaml(ctx: Context, text: str) -> object:
     try:
         return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: no Python object tags
     except _DuplicateKeyError as exc:

@@ -1,8 +1,8 @@
-"""Typed reads of the parsed YAML: `_Section`, one mapping from the file and its key path.
+"""Typed reads of the parsed YAML: `Section`, one mapping from the file and its key path.
 
 This module owns how a value is read and checked for its type and range
 (strings, choices, hosts, flags, integers, seconds), how unknown and rejected
-keys are refused, and the `_Context` (source name, environment, file reader)
+keys are refused, and the `Context` (source name, environment, file reader)
 that every read shares. Each failure is a `ConfigError` naming the key path.
 
 It must never know what a particular section or key means: that belongs to
@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from router.config.addresses import _is_host
-from router.config.errors import ConfigError, _describe, _join, _quote
+from router.config.errors import ConfigError, describe, join_key, quote
+from router.protocol.addresses import is_host
 
 _MAX_SECONDS: Final = 1e9  # about 31 years: beyond this a value is a typo, and overflows timers
 _MAX_INT: Final = 2**31 - 1
@@ -25,7 +25,7 @@ _MISSING: Final = object()
 
 
 @dataclass(frozen=True, slots=True)
-class _Context:
+class Context:
     source: str
     env: Mapping[str, str]
     read_file: Callable[[str], bytes] | None
@@ -34,14 +34,14 @@ class _Context:
         return ConfigError(self.source, key_path or "(root)", reason)
 
 
-class _Section:
+class Section:
     """One mapping from the file and its key path; typed reads that raise `ConfigError`."""
 
     __slots__ = ("_data", "ctx", "path")
 
     def __init__(
         self,
-        ctx: _Context,
+        ctx: Context,
         path: str,
         value: object,
         allowed: tuple[str, ...],
@@ -49,19 +49,21 @@ class _Section:
     ) -> None:
         self.ctx, self.path = ctx, path
         if not isinstance(value, dict):
-            raise ctx.fail(path, f"expected a mapping, got {_describe(value)}")
+            raise ctx.fail(path, f"expected a mapping, got {describe(value)}")
         for key in value:
             if not isinstance(key, str):
-                raise ctx.fail(path, f"keys must be strings, got {_describe(key)}")
+                raise ctx.fail(path, f"keys must be strings, got {describe(key)}")
             if rejected and key in rejected:
-                raise ctx.fail(_join(path, key), rejected[key])
+                raise ctx.fail(join_key(path, key), rejected[key])
             if key not in allowed:
                 keys = ", ".join(allowed)
-                raise ctx.fail(_join(path, key), f"unknown key {_quote(key)}; allowed keys: {keys}")
+                raise ctx.fail(
+                    join_key(path, key), f"unknown key {quote(key)}; allowed keys: {keys}"
+                )
         self._data: dict[str, object] = value
 
     def fail(self, key: str | None, reason: str) -> ConfigError:
-        return self.ctx.fail(self.path if key is None else _join(self.path, key), reason)
+        return self.ctx.fail(self.path if key is None else join_key(self.path, key), reason)
 
     def has(self, key: str) -> bool:
         return self._data.get(key) is not None
@@ -72,10 +74,10 @@ class _Section:
 
     def child(
         self, key: str, allowed: tuple[str, ...], rejected: Mapping[str, str] | None = None
-    ) -> _Section:
+    ) -> Section:
         value = self._data.get(key)
         value = {} if value is None else value  # `listen:` or `listen: null`: all defaults
-        return _Section(self.ctx, _join(self.path, key), value, allowed, rejected)
+        return Section(self.ctx, join_key(self.path, key), value, allowed, rejected)
 
     def items(self, key: str) -> list[tuple[str, object]]:
         """(key path, value) of each list item; absent or null is an empty list."""
@@ -83,13 +85,13 @@ class _Section:
         if value is None:
             return []
         if not isinstance(value, list):
-            raise self.fail(key, f"expected a list, got {_describe(value)}")
-        return [(f"{_join(self.path, key)}[{i}]", item) for i, item in enumerate(value)]
+            raise self.fail(key, f"expected a list, got {describe(value)}")
+        return [(f"{join_key(self.path, key)}[{i}]", item) for i, item in enumerate(value)]
 
     def sections(
         self, key: str, allowed: tuple[str, ...], rejected: Mapping[str, str] | None = None
-    ) -> list[_Section]:
-        return [_Section(self.ctx, p, v, allowed, rejected) for p, v in self.items(key)]
+    ) -> list[Section]:
+        return [Section(self.ctx, p, v, allowed, rejected) for p, v in self.items(key)]
 
     def text(self, key: str, default: str | None = None) -> str:
         """A non-empty string; required when `default` is None."""
@@ -98,7 +100,7 @@ class _Section:
             return default
         if value is _MISSING:
             raise self.fail(key, "missing required key")
-        return _text(self.ctx, _join(self.path, key), value)
+        return read_text(self.ctx, join_key(self.path, key), value)
 
     def optional_text(self, key: str) -> str | None:
         return self.text(key) if self.has(key) else None
@@ -106,23 +108,25 @@ class _Section:
     def choice(self, key: str, default: str | None, choices: tuple[str, ...]) -> str:
         value = self.text(key, default)
         if value not in choices:
-            raise self.fail(key, f"must be one of {', '.join(choices)}; got {_quote(value)}")
+            raise self.fail(key, f"must be one of {', '.join(choices)}; got {quote(value)}")
         return value
 
     def host(self, key: str, default: str) -> str:
         value = self.text(key, default)
-        if not _is_host(value):
-            raise self.fail(key, f"expected a host name or IP address, got {_quote(value)}")
+        if not is_host(value):
+            raise self.fail(key, f"expected a host name or IP address, got {quote(value)}")
         return value
 
     def flag(self, key: str, default: bool) -> bool:
         value = self._data.get(key, default)
         if not isinstance(value, bool):
-            raise self.fail(key, f"expected true or false, got {_describe(value)}")
+            raise self.fail(key, f"expected true or false, got {describe(value)}")
         return value
 
     def integer(self, key: str, default: int, low: int = 1, high: int = _MAX_INT) -> int:
-        return _integer(self.ctx, _join(self.path, key), self._data.get(key, default), low, high)
+        return read_integer(
+            self.ctx, join_key(self.path, key), self._data.get(key, default), low, high
+        )
 
     def optional_integer(self, key: str, low: int = 1, high: int = _MAX_INT) -> int | None:
         return self.integer(key, 0, low, high) if self.has(key) else None
@@ -130,7 +134,7 @@ class _Section:
     def seconds(self, key: str, default: float) -> float:
         value = self._data.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int | float):
-            reason = f"expected a number of seconds, got {_describe(value)}"
+            reason = f"expected a number of seconds, got {describe(value)}"
             raise self.fail(key, reason + _exponent_hint(value))
         if not (math.isfinite(value) and 0 < value <= _MAX_SECONDS):
             raise self.fail(key, f"must be above 0 and at most {_MAX_SECONDS:.0f}, got {value!r}")
@@ -148,18 +152,18 @@ def _exponent_hint(value: object) -> str:
     return " (YAML needs a dot and a signed exponent, like 1.0e+3)"
 
 
-def _text(ctx: _Context, key_path: str, value: object) -> str:
+def read_text(ctx: Context, key_path: str, value: object) -> str:
     if not isinstance(value, str) or not value:
-        raise ctx.fail(key_path, f"expected a non-empty string, got {_describe(value)}")
+        raise ctx.fail(key_path, f"expected a non-empty string, got {describe(value)}")
     if "\0" in value:
         # No path, host, name or command can hold one (the OS would refuse it at run).
         raise ctx.fail(key_path, "must not contain a NUL character")
     return value
 
 
-def _integer(ctx: _Context, key_path: str, value: object, low: int, high: int) -> int:
+def read_integer(ctx: Context, key_path: str, value: object, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ctx.fail(key_path, f"expected an integer, got {_describe(value)}")
+        raise ctx.fail(key_path, f"expected an integer, got {describe(value)}")
     if not low <= value <= high:
         raise ctx.fail(key_path, f"must be between {low} and {high}, got {value}")
     return value

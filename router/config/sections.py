@@ -9,7 +9,7 @@ The file-wide checks run on a `Config` value too (`check_config`), for a
 reload's mix of two files.
 
 It must never read the file or the environment itself: values come through
-`_Section`, secrets through `router.config.secrets`.
+`Section`, secrets through `router.config.secrets`.
 """
 
 from __future__ import annotations
@@ -20,14 +20,12 @@ import string
 from typing import Final
 
 from router.config.addresses import (
-    _UNIX,
-    _check_addresses,
-    _control_socket_problem,
-    _upstream_problem,
-    is_loopback_host,
+    check_addresses,
+    control_socket_problem,
     is_tcp_socket,
+    upstream_problem,
 )
-from router.config.errors import _join, _quote
+from router.config.errors import join_key, quote
 from router.config.model import (
     AdminConfig,
     ClaimsConfig,
@@ -42,12 +40,13 @@ from router.config.model import (
     StaticWorkerConfig,
     TimeoutsConfig,
 )
-from router.config.reader import _Context, _integer, _Section, _text
-from router.config.secrets import _inline, _secret_text
-from router.config.sessions import _sessions
+from router.config.reader import Context, Section, read_integer, read_text
+from router.config.secrets import inline_refused, secret_text
+from router.config.sessions import read_sessions
+from router.protocol.addresses import UNIX, is_loopback_host
 from router.service.spawn_plan import SpawnSpec, plan_workers
 
-_TOP_KEYS: Final = (
+TOP_KEYS: Final = (
     *("listen", "admin", "control", "workers", "health", "spawn", "sessions"),
     *("claims", "state", "limits", "timeouts", "log"),
 )
@@ -70,28 +69,30 @@ _LIMITS_KEYS: Final = (
 _TIMEOUTS_KEYS: Final = ("connect_s", "first_byte_s", "stream_idle_s", "shutdown_grace_s")
 
 
-def _config(root: _Section) -> Config:
+def build_config(root: Section) -> Config:
     config = Config(
         listen=_listen(root.child("listen", ("host", "port"))),
         admin=_admin(
-            root.child("admin", ("host", "port", "token_env", "token_file"), _inline("token"))
+            root.child(
+                "admin", ("host", "port", "token_env", "token_file"), inline_refused("token")
+            )
         ),
-        control=_control(root.child("control", _CONTROL_KEYS, _inline("secret"))),
+        control=_control(root.child("control", _CONTROL_KEYS, inline_refused("secret"))),
         workers=_workers(root),
         health=_health(root.child("health", ("path", "interval_s", "timeout_s", "failures"))),
         spawn=_spawn(root),
-        sessions=_sessions(root),
+        sessions=read_sessions(root),
         claims=_claims(root.child("claims", _CLAIMS_KEYS)),
         state=StateConfig(path=root.child("state", ("path",)).optional_text("path")),
         limits=_limits(root.child("limits", _LIMITS_KEYS)),
         timeouts=_timeouts(root.child("timeouts", _TIMEOUTS_KEYS)),
         log=_log(root.child("log", ("format", "access", "level"))),
     )
-    _check_config(root.ctx, config)
+    check_whole_config(root.ctx, config)
     return config
 
 
-def _check_config(ctx: _Context, config: Config) -> None:
+def check_whole_config(ctx: Context, config: Config) -> None:
     """The checks that span sections, on a whole `Config`.
 
     They run on every file after its sections, and again on the config a reload
@@ -103,15 +104,15 @@ def _check_config(ctx: _Context, config: Config) -> None:
         control.socket, control.secret is not None, control.allowed_uids
     ):
         key, reason = problem
-        raise ctx.fail("control" if key == "secret" else _join("control", key), reason)
+        raise ctx.fail("control" if key == "secret" else join_key("control", key), reason)
     if config.admin.token is None and not is_loopback_host(config.admin.host):
         raise ctx.fail("admin", _admin_token_reason(config.admin.host))
-    _check_addresses(ctx, config)
+    check_addresses(ctx, config)
     if config.spawn is not None:
         _check_spawned_workers(ctx, config, config.spawn)
 
 
-def _check_spawned_workers(ctx: _Context, config: Config, spawn: SpawnConfig) -> None:
+def _check_spawned_workers(ctx: Context, config: Config, spawn: SpawnConfig) -> None:
     """Spawned workers must be able to register: an id of their own, a url the control
     policy lets say hello."""
     try:  # the spawner's own rule for ids and urls, not a copy of it
@@ -123,7 +124,7 @@ def _check_spawned_workers(ctx: _Context, config: Config, spawn: SpawnConfig) ->
     for i, static in enumerate(config.workers):
         if static.id in ids:
             reason = (
-                f"{_quote(static.id)} is also a spawned worker's id (spawn makes {made}): "
+                f"{quote(static.id)} is also a spawned worker's id (spawn makes {made}): "
                 "one id cannot name two workers"
             )
             raise ctx.fail(f"workers[{i}].id", reason)
@@ -133,38 +134,38 @@ def _check_spawned_workers(ctx: _Context, config: Config, spawn: SpawnConfig) ->
     refused = [worker.url for worker in spawned if worker.url not in allowed]
     if refused:
         reason = (
-            f"{_quote(spawn.host)} is not loopback, and control.allowed_upstreams does not list "
-            f"{_quote(refused[0])}: the spawned workers could never say hello"
+            f"{quote(spawn.host)} is not loopback, and control.allowed_upstreams does not list "
+            f"{quote(refused[0])}: the spawned workers could never say hello"
         )
         raise ctx.fail("spawn.host", reason)
 
 
-def _listen(sec: _Section) -> ListenConfig:
+def _listen(sec: Section) -> ListenConfig:
     d = ListenConfig()
     return ListenConfig(sec.host("host", d.host), sec.integer("port", d.port, 0, 65535))
 
 
-def _admin(sec: _Section) -> AdminConfig:
+def _admin(sec: Section) -> AdminConfig:
     d = AdminConfig()
     host, port = sec.host("host", d.host), sec.integer("port", d.port, 0, 65535)
-    token = _secret_text(sec, "token", header_safe=True)
+    token = secret_text(sec, "token", header_safe=True)
     if token is None and not is_loopback_host(host):
         raise sec.fail(None, _admin_token_reason(host))
     return AdminConfig(host, port, token[1] if token else None)
 
 
 def _admin_token_reason(host: str) -> str:
-    return f"an admin listener on {_quote(host)} (not loopback) needs token_env or token_file"
+    return f"an admin listener on {quote(host)} (not loopback) needs token_env or token_file"
 
 
-def _control(sec: _Section) -> ControlConfig:
+def _control(sec: Section) -> ControlConfig:
     d = ControlConfig()
     socket = sec.text("socket", d.socket)
-    if problem := _control_socket_problem(socket):
+    if problem := control_socket_problem(socket):
         raise sec.fail("socket", problem)
-    uids = tuple(_integer(sec.ctx, p, v, 0, 2**32 - 2) for p, v in sec.items("allowed_uids"))
+    uids = tuple(read_integer(sec.ctx, p, v, 0, 2**32 - 2) for p, v in sec.items("allowed_uids"))
     upstreams = tuple(_upstream(sec.ctx, p, v) for p, v in sec.items("allowed_upstreams"))
-    secret = _secret_text(sec, "secret", header_safe=False)
+    secret = secret_text(sec, "secret", header_safe=False)
     if mismatch := _control_problem(socket, secret is not None, uids):
         key, reason = mismatch
         raise sec.fail(secret[0] if key == "secret" and secret else key, reason)
@@ -179,42 +180,42 @@ def _control_problem(
     """(key, reason) when the socket's kind and its authentication do not go together."""
     if is_tcp_socket(socket) and not has_secret:
         return "socket", "a tcp:// control socket needs secret_env or secret_file"
-    if socket.startswith(_UNIX) and has_secret:
+    if socket.startswith(UNIX) and has_secret:
         return "secret", "a unix: control socket checks uids; a secret is for tcp://"
     if is_tcp_socket(socket) and uids:
         return "allowed_uids", "uids can only be checked on a unix: control socket"
     return None
 
 
-def _upstream(ctx: _Context, key_path: str, value: object) -> str:
-    url = _text(ctx, key_path, value)
-    if problem := _upstream_problem(url):
+def _upstream(ctx: Context, key_path: str, value: object) -> str:
+    url = read_text(ctx, key_path, value)
+    if problem := upstream_problem(url):
         raise ctx.fail(key_path, problem)
     return url
 
 
-def _workers(root: _Section) -> tuple[StaticWorkerConfig, ...]:
+def _workers(root: Section) -> tuple[StaticWorkerConfig, ...]:
     workers: list[StaticWorkerConfig] = []
     for sec in root.sections("workers", ("id", "url")):
         worker_id = sec.text("id")
         if not _WORKER_ID.fullmatch(worker_id):
-            raise sec.fail("id", f"must be 1 to 64 of A-Z a-z 0-9 . _ -, got {_quote(worker_id)}")
-        url = _upstream(sec.ctx, _join(sec.path, "url"), sec.text("url"))
+            raise sec.fail("id", f"must be 1 to 64 of A-Z a-z 0-9 . _ -, got {quote(worker_id)}")
+        url = _upstream(sec.ctx, join_key(sec.path, "url"), sec.text("url"))
         for j, other in enumerate(workers):
             if other.id == worker_id:
-                raise sec.fail("id", f"duplicate worker id {_quote(worker_id)} (also workers[{j}])")
+                raise sec.fail("id", f"duplicate worker id {quote(worker_id)} (also workers[{j}])")
             if other.url == url:
-                raise sec.fail("url", f"duplicate worker url {_quote(url)} (also workers[{j}])")
+                raise sec.fail("url", f"duplicate worker url {quote(url)} (also workers[{j}])")
         workers.append(StaticWorkerConfig(worker_id, url))
     return tuple(workers)
 
 
-def _health(sec: _Section) -> HealthConfig:
+def _health(sec: Section) -> HealthConfig:
     d = HealthConfig()
     path = sec.text("path", d.path)
     if not (path.startswith("/") and all("!" <= c <= "~" for c in path)):
         raise sec.fail(
-            "path", f"expected a path starting with / in visible ASCII, got {_quote(path)}"
+            "path", f"expected a path starting with / in visible ASCII, got {quote(path)}"
         )
     interval = sec.seconds("interval_s", d.interval_s)
     timeout = sec.seconds("timeout_s", d.timeout_s)
@@ -243,7 +244,7 @@ def _command_problem(command: str) -> str | None:
     return None  # a NUL byte, which no argument can hold, is refused as any text's is
 
 
-def _spawn(root: _Section) -> SpawnConfig | None:
+def _spawn(root: Section) -> SpawnConfig | None:
     if not root.has("spawn"):
         return None
     sec = root.child("spawn", ("command", "count", "base_port", "host", "stop_timeout_s"))
@@ -259,7 +260,7 @@ def _spawn(root: _Section) -> SpawnConfig | None:
     return SpawnConfig(command, count, base_port, sec.host("host", d.host), stop)
 
 
-def _claims(sec: _Section) -> ClaimsConfig:
+def _claims(sec: Section) -> ClaimsConfig:
     d = ClaimsConfig()
     return ClaimsConfig(
         sec.seconds("tombstone_ttl_s", d.tombstone_ttl_s),
@@ -269,7 +270,7 @@ def _claims(sec: _Section) -> ClaimsConfig:
     )
 
 
-def _limits(sec: _Section) -> LimitsConfig:
+def _limits(sec: Section) -> LimitsConfig:
     d = LimitsConfig()
     return LimitsConfig(
         max_header_bytes=sec.integer("max_header_bytes", d.max_header_bytes),
@@ -282,12 +283,12 @@ def _limits(sec: _Section) -> LimitsConfig:
     )
 
 
-def _timeouts(sec: _Section) -> TimeoutsConfig:
+def _timeouts(sec: Section) -> TimeoutsConfig:
     d = TimeoutsConfig()
     return TimeoutsConfig(*(sec.seconds(k, getattr(d, k)) for k in _TIMEOUTS_KEYS))
 
 
-def _log(sec: _Section) -> LogConfig:
+def _log(sec: Section) -> LogConfig:
     d = LogConfig()
     return LogConfig(
         sec.choice("format", d.format, ("json", "plain")),

@@ -15,7 +15,7 @@ import dataclasses
 import re
 from typing import Final, NamedTuple
 
-from router.config.errors import _quote
+from router.config.errors import quote
 from router.config.model import (
     BodyFieldConfig,
     Config,
@@ -29,15 +29,15 @@ from router.config.model import (
     TokenFormatConfig,
     VerifyConfig,
 )
-from router.config.reader import _Section
+from router.config.reader import Section
 from router.config.secrets import (
-    _INLINE_SECRET,
-    _MIN_HS256_SECRET,
-    _from_file,
-    _inline,
-    _public_key_problem,
-    _read_secret,
-    _secret,
+    INLINE_SECRET,
+    MIN_HS256_SECRET,
+    find_secret,
+    inline_refused,
+    public_key_problem,
+    read_secret,
+    secret_from_file,
 )
 from router.sessions.sources import compile_path_pattern, parse_json_pointer
 
@@ -52,8 +52,8 @@ _RESERVED_PREFIXES: Final = ("proxy-", "x-forwarded-", "x-episode-router-")
 _ALGS: Final = ("HS256", "EdDSA", "ES256")
 _KEY_SOURCES: Final = ("secret_env", "secret_file", "public_key_file")  # HS256: 2, others: 1
 _INLINE_KEYS: Final = {
-    **_inline("secret"),
-    "key": _INLINE_SECRET.format("secret") + " (or public_key_file)",
+    **inline_refused("secret"),
+    "key": INLINE_SECRET.format("secret") + " (or public_key_file)",
     "public_key": "inline keys are not allowed; use public_key_file",
 }
 _SESSION_KEYS: Final = (
@@ -97,7 +97,7 @@ class _Mark(NamedTuple):
     reason: str
 
 
-def _sessions(root: _Section) -> tuple[SessionKindConfig, ...]:
+def read_sessions(root: Section) -> tuple[SessionKindConfig, ...]:
     if not root.has("sessions"):
         return Config().sessions
     sections = root.sections("sessions", _SESSION_KEYS)
@@ -117,7 +117,7 @@ def _sessions(root: _Section) -> tuple[SessionKindConfig, ...]:
 
 
 def _marks(kind: SessionKindConfig) -> list[_Mark]:
-    duplicate = f"duplicate session kind {_quote(kind.name)} (also {{other}})"
+    duplicate = f"duplicate session kind {quote(kind.name)} (also {{other}})"
     marks = [_Mark("name", ("name", kind.name), duplicate)]
     if kind.header is not None:
         marks.append(_header_mark("header", kind.header))
@@ -126,23 +126,21 @@ def _marks(kind: SessionKindConfig) -> list[_Mark]:
         marks.append(_header_mark("mcp.header", kind.mcp.header))
     if kind.cookie is not None:
         name = kind.cookie.name
-        marks.append(_Mark("cookie.name", ("cookie", name), f"cookie {_quote(name)} {_ALSO}"))
+        marks.append(_Mark("cookie.name", ("cookie", name), f"cookie {quote(name)} {_ALSO}"))
     if kind.body_field is not None:
         pointer = kind.body_field.pointer
-        marks.append(
-            _Mark("body_field", ("body", pointer), f"body field {_quote(pointer)} {_ALSO}")
-        )
+        marks.append(_Mark("body_field", ("body", pointer), f"body field {quote(pointer)} {_ALSO}"))
     if kind.path is not None:
         pattern = kind.path.pattern
-        marks.append(_Mark("path", ("path", pattern), f"path {_quote(pattern)} {_ALSO}"))
+        marks.append(_Mark("path", ("path", pattern), f"path {quote(pattern)} {_ALSO}"))
     return marks
 
 
 def _header_mark(key: str, header: str) -> _Mark:
-    return _Mark(key, ("header", header.lower()), f"header {_quote(header)} {_ALSO}")
+    return _Mark(key, ("header", header.lower()), f"header {quote(header)} {_ALSO}")
 
 
-def _check_routes(sec: _Section, kind: SessionKindConfig, earlier: list[SessionKindConfig]) -> None:
+def _check_routes(sec: Section, kind: SessionKindConfig, earlier: list[SessionKindConfig]) -> None:
     """A seed route may be shared by kinds, and so may a close route; one route is never both."""
     seed, close = _route_id(kind.seed), _route_id(kind.close)
     if seed is not None and seed == close:
@@ -158,10 +156,10 @@ def _route_id(route: RouteConfig | None) -> str | None:
     return None if route is None else f"{route.method} {route.path}"
 
 
-def _session_kind(sec: _Section) -> SessionKindConfig:
+def _session_kind(sec: Section) -> SessionKindConfig:
     name = sec.text("name")
     if not _SESSION_NAME.fullmatch(name):
-        raise sec.fail("name", f"must be 1 to 32 of a-z 0-9 _, got {_quote(name)}")
+        raise sec.fail("name", f"must be 1 to 32 of a-z 0-9 _, got {quote(name)}")
     source = _source(sec)
     if source != "header" and sec.has("token"):
         raise sec.fail("token", f"only a header kind reads a token; this kind reads a {source}")
@@ -185,7 +183,7 @@ def _session_kind(sec: _Section) -> SessionKindConfig:
     return dataclasses.replace(kind, seed=_seed(sec, kind), close=_close(sec))
 
 
-def _source(sec: _Section) -> str:
+def _source(sec: Section) -> str:
     found = [key for key in _SOURCES if sec.has(key)]
     if len(found) == 1:
         return found[0]
@@ -195,7 +193,7 @@ def _source(sec: _Section) -> str:
     raise sec.fail(found[1], f"a kind reads one key source; this one also has {found[0]}")
 
 
-def _kind_header(sec: _Section) -> str:
+def _kind_header(sec: Section) -> str:
     header = sec.text("header")
     if problem := _header_problem(header):
         raise sec.fail("header", problem)
@@ -207,13 +205,13 @@ def _header_problem(header: str) -> str | None:
     if "_" in header:
         return "header names with '_' are dropped by the router (they read as '-' behind WSGI)"
     if not _HEADER_NAME.fullmatch(header):
-        return f"not an HTTP header name: {_quote(header)}"
+        return f"not an HTTP header name: {quote(header)}"
     if lower in _RESERVED_HEADERS or lower.startswith(_RESERVED_PREFIXES):
-        return f"{_quote(header)} is rewritten or stripped by the router"
+        return f"{quote(header)} is rewritten or stripped by the router"
     return None
 
 
-def _token_format(sec: _Section) -> TokenFormatConfig:
+def _token_format(sec: Section) -> TokenFormatConfig:
     token_format = sec.choice("format", "jws", ("jws", "raw", "itsdangerous"))
     if token_format == "itsdangerous":
         return _itsdangerous_token(sec)
@@ -227,7 +225,7 @@ def _token_format(sec: _Section) -> TokenFormatConfig:
     return TokenFormatConfig(token_format, None, _verify(verify))
 
 
-def _itsdangerous_token(sec: _Section) -> TokenFormatConfig:
+def _itsdangerous_token(sec: Section) -> TokenFormatConfig:
     if not sec.has("field"):
         reason = "the itsdangerous format needs the payload field holding the key (NeMo Gym: sid)"
         raise sec.fail("field", reason)
@@ -238,7 +236,7 @@ def _itsdangerous_token(sec: _Section) -> TokenFormatConfig:
     return TokenFormatConfig("itsdangerous", field, None, _signature(verify))
 
 
-def _verify(sec: _Section) -> VerifyConfig:
+def _verify(sec: Section) -> VerifyConfig:
     alg = sec.choice("alg", None, _ALGS)
     sources = [k for k in _KEY_SOURCES if sec.has(k)]
     wanted = _KEY_SOURCES[:2] if alg == "HS256" else _KEY_SOURCES[2:]
@@ -249,23 +247,23 @@ def _verify(sec: _Section) -> VerifyConfig:
     if sources[0] not in wanted:
         raise sec.fail(sources[0], f"{alg} takes its key from {' or '.join(wanted)}")
     if alg == "HS256":
-        return VerifyConfig(alg, _read_secret(sec, sources[0], _MIN_HS256_SECRET))
-    pem = _from_file(sec, "public_key_file")
-    if problem := _public_key_problem(alg, pem):
+        return VerifyConfig(alg, read_secret(sec, sources[0], MIN_HS256_SECRET))
+    pem = secret_from_file(sec, "public_key_file")
+    if problem := public_key_problem(alg, pem):
         raise sec.fail("public_key_file", problem)
     return VerifyConfig(alg, pem)
 
 
-def _signature(sec: _Section) -> SignatureConfig:
+def _signature(sec: Section) -> SignatureConfig:
     """The server's own secret (any length: it is the server's choice) and the optional checks."""
-    secret = _secret(sec, "secret", 1)
+    secret = find_secret(sec, "secret", 1)
     if secret is None:
         raise sec.fail(None, "needs the server's secret key: secret_env or secret_file")
     max_age = sec.seconds("max_age_s", 0) if sec.has("max_age_s") else None
     return SignatureConfig(secret[1], max_age, sec.optional_text("salt"))
 
 
-def _cookie(sec: _Section) -> CookieSourceConfig:
+def _cookie(sec: Section) -> CookieSourceConfig:
     name = _cookie_name(sec, "name")
     cookie_format = sec.choice("format", "starlette", ("starlette", "raw"))
     if cookie_format == "raw":
@@ -282,16 +280,16 @@ def _cookie(sec: _Section) -> CookieSourceConfig:
     return CookieSourceConfig(name, cookie_format, field, _signature(verify))
 
 
-def _cookie_name(sec: _Section, key: str) -> str:
+def _cookie_name(sec: Section, key: str) -> str:
     name = sec.text(key)
     if not _COOKIE_NAME.fullmatch(name):
         raise sec.fail(
-            key, f"not a cookie name (1 to 128 RFC 6265 token characters): {_quote(name)}"
+            key, f"not a cookie name (1 to 128 RFC 6265 token characters): {quote(name)}"
         )
     return name
 
 
-def _mcp(sec: _Section) -> McpSourceConfig:
+def _mcp(sec: Section) -> McpSourceConfig:
     d = McpSourceConfig()
     path = _exact_path(sec, "path", d.path)
     header = sec.text("header", d.header)
@@ -300,7 +298,7 @@ def _mcp(sec: _Section) -> McpSourceConfig:
     return McpSourceConfig(path, header)
 
 
-def _body_field(sec: _Section) -> BodyFieldConfig:
+def _body_field(sec: Section) -> BodyFieldConfig:
     if isinstance(sec.value("body_field"), str):
         field = sec.text("body_field")
         if field.startswith("/"):
@@ -313,40 +311,40 @@ def _body_field(sec: _Section) -> BodyFieldConfig:
     return BodyFieldConfig(pointer, max_bytes)
 
 
-def _json_pointer(sec: _Section, key: str) -> str:
+def _json_pointer(sec: Section, key: str) -> str:
     pointer = sec.text(key)
     try:
         parse_json_pointer(pointer)
     except ValueError as exc:
-        raise sec.fail(key, f"not an RFC 6901 JSON pointer: {exc}; got {_quote(pointer)}") from None
+        raise sec.fail(key, f"not an RFC 6901 JSON pointer: {exc}; got {quote(pointer)}") from None
     return pointer
 
 
-def _path_source(sec: _Section) -> PathSourceConfig:
+def _path_source(sec: Section) -> PathSourceConfig:
     pattern = sec.text("path")
     try:
         compile_path_pattern(pattern)
     except ValueError as exc:
-        raise sec.fail("path", f"{exc}; got {_quote(pattern)}") from None
+        raise sec.fail("path", f"{exc}; got {quote(pattern)}") from None
     return PathSourceConfig(pattern)
 
 
-def _exact_path(sec: _Section, key: str, default: str | None = None) -> str:
+def _exact_path(sec: Section, key: str, default: str | None = None) -> str:
     path = sec.text(key, default)
     if not (path.startswith("/") and all("!" <= c <= "~" and c not in "?#" for c in path)):
-        reason = f"expected an exact path: /, then visible ASCII without ? or #; got {_quote(path)}"
+        reason = f"expected an exact path: /, then visible ASCII without ? or #; got {quote(path)}"
         raise sec.fail(key, reason)
     return path
 
 
-def _route(sec: _Section) -> RouteConfig:
+def _route(sec: Section) -> RouteConfig:
     method = sec.text("method").upper()
     if not _METHOD.fullmatch(method):
-        raise sec.fail("method", f"not an HTTP method: {_quote(method)}")
+        raise sec.fail("method", f"not an HTTP method: {quote(method)}")
     return RouteConfig(method, _exact_path(sec, "path"))
 
 
-def _seed(sec: _Section, kind: SessionKindConfig) -> RouteConfig | None:
+def _seed(sec: Section, kind: SessionKindConfig) -> RouteConfig | None:
     if not sec.has("seed"):
         return None
     if kind.mcp is not None:
@@ -364,7 +362,7 @@ def _seed(sec: _Section, kind: SessionKindConfig) -> RouteConfig | None:
     raise seed.fail("learn", reason)
 
 
-def _learn(sec: _Section) -> LearnConfig:
+def _learn(sec: Section) -> LearnConfig:
     found = [key for key in _LEARN_KEYS if sec.has(key)]
     if len(found) != 1:
         got = " and ".join(found) or "none"
@@ -375,15 +373,15 @@ def _learn(sec: _Section) -> LearnConfig:
         return LearnConfig(cookie=_cookie_name(sec, "cookie"))
     header = sec.text("header")
     if not _REPLY_HEADER.fullmatch(header):
-        raise sec.fail("header", f"not an HTTP header name: {_quote(header)}")
+        raise sec.fail("header", f"not an HTTP header name: {quote(header)}")
     if header.lower() == "set-cookie":
         raise sec.fail("header", "write learn: {cookie: NAME} to read a cookie from Set-Cookie")
     if header.lower() in _UNREADABLE_REPLY_HEADERS:
-        raise sec.fail("header", f"{_quote(header)} is a framing header, never a session key")
+        raise sec.fail("header", f"{quote(header)} is a framing header, never a session key")
     return LearnConfig(header=header)
 
 
-def _close(sec: _Section) -> RouteConfig | None:
+def _close(sec: Section) -> RouteConfig | None:
     if not sec.has("close"):
         return None
     rejected = {"learn": "a close route releases the claim on a 2xx reply; it learns nothing"}

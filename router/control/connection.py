@@ -24,7 +24,7 @@ import struct
 from typing import TYPE_CHECKING, cast
 
 from router.control.session import ControlSession, Peer
-from router.protocol.control import MAX_LINE_BYTES, decode_line, encode, error_reply
+from router.protocol.control import MAX_LINE_BYTES, decode_line, encode_line, error_reply
 
 if TYPE_CHECKING:  # only annotations: the server imports this module
     from router.control.server import ControlServer
@@ -136,14 +136,14 @@ class ControlConnection(asyncio.Protocol):
         size = 0
         for used, line in enumerate(lines, 1):
             if len(line) >= MAX_LINE_BYTES:  # the newline makes it one over
-                replies.append(encode(error_reply(None, "bad_request", "Line over 1 MiB.")))
+                replies.append(encode_line(error_reply(None, "bad_request", "Line over 1 MiB.")))
                 return replies, used, True
             answered = fast(line, now)
             if answered is not None:
                 op, result, reply = answered
                 count_op(op, result)
             elif line.strip():
-                reply = encode(self._answer(line, now))
+                reply = encode_line(self._answer(line, now))
             else:
                 continue
             replies.append(reply)
@@ -154,7 +154,9 @@ class ControlConnection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         if self._buffer.strip():
-            self._write_and_close(encode(error_reply(None, "bad_request", "Unterminated line.")))
+            self._write_and_close(
+                encode_line(error_reply(None, "bad_request", "Unterminated line."))
+            )
         return False  # close the transport
 
     def pause_writing(self) -> None:
@@ -219,7 +221,7 @@ class ControlConnection(asyncio.Protocol):
 
     def _refuse_long_line(self) -> None:
         self._buffer.clear()
-        self._write_and_close(encode(error_reply(None, "bad_request", "Line over 1 MiB.")))
+        self._write_and_close(encode_line(error_reply(None, "bad_request", "Line over 1 MiB.")))
 
     def _write_and_close(self, data: bytes) -> None:
         if self.transport is not None:
@@ -230,4 +232,4 @@ class ControlConnection(asyncio.Protocol):
         self._hello_timer = None
         if self.session is not None and self.session.worker is None:
             log.info("control connection closed: no hello in time")
-            self._write_and_close(encode(error_reply(None, "no_hello", "No hello in time.")))
+            self._write_and_close(encode_line(error_reply(None, "no_hello", "No hello in time.")))

@@ -15,7 +15,7 @@ from router.protocol.control import (
     MAX_KEY_CHARS,
     MAX_LINE_BYTES,
     Reply,
-    encode,
+    encode_line,
     encoded_size,
     error_reply,
 )
@@ -79,7 +79,7 @@ class SyncRefusals:
             "more": True,
             "refused_omitted": 1 << 62,
         }
-        self._room = MAX_LINE_BYTES - len(encode(envelope))
+        self._room = MAX_LINE_BYTES - len(encode_line(envelope))
         self.listed: list[Reply] = []
         self.omitted = 0
         self.full = self._room <= 0

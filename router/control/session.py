@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from router.config import UpstreamAddress, is_loopback_upstream, parse_upstream, same_upstream
 from router.control.refusals import (
     SYNC_MAX_PENDING,
     SyncRefusals,
@@ -30,10 +29,21 @@ from router.control.refusals import (
 )
 from router.core.machine import RouterCore
 from router.core.workers import Worker, WorkerOrigin, WorkerState
-from router.protocol.control import MAX_KEY_CHARS, Reply, encode, error_reply
-from router.worker.boot import valid_boot
+from router.protocol.addresses import (
+    UpstreamAddress,
+    is_loopback_upstream,
+    parse_upstream,
+    same_upstream,
+)
+from router.protocol.boot import valid_boot
+from router.protocol.control import (
+    MAX_KEY_CHARS,
+    PROTOCOL_VERSION,
+    Reply,
+    encode_line,
+    error_reply,
+)
 
-PROTOCOL_VERSION = 1
 _WORKER_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
@@ -113,7 +123,7 @@ class ControlSession:
         """The fast path for a claim or release line (without its newline).
 
         Returns the op, the result ("ok" or the reply's error code) and the reply
-        line, exactly as `encode(self.handle(decode_line(line), now))` would give
+        line, exactly as `encode_line(self.handle(decode_line(line), now))` would give
         them; or None, having changed nothing, when the line is not in one of the
         two usual shapes, or this connection holds no live lease, or the kind is not
         configured: the caller then takes the general path.
@@ -140,10 +150,10 @@ class ControlSession:
             refusal = self.core.claim(worker, kind, raw_key.decode(), now)
             if refusal is None:
                 return "claim", "ok", b'{"id":' + raw_id + b',"ok":true}\n'
-            return "claim", refusal.error, encode(claim_refused(json.loads(raw_id), refusal))
+            return "claim", refusal.error, encode_line(claim_refused(json.loads(raw_id), refusal))
         if self.core.release(worker, kind, raw_key.decode(), now):
             return "release", "ok", b'{"id":' + raw_id + b',"ok":true}\n'
-        return "release", "not_holder", encode(not_holder(json.loads(raw_id)))
+        return "release", "not_holder", encode_line(not_holder(json.loads(raw_id)))
 
     def closed(self, now: float) -> Worker | None:
         """The connection went away. Returns the worker whose lease it was, now lost."""

@@ -1,12 +1,15 @@
-"""The control protocol's line codec (DESIGN §3).
+"""The control protocol's lines (design §3): its version, its limits, its codec.
 
-This module owns what one line of the control socket is: `decode_line` turns one
-NDJSON line into a request or an error reply, `encode` writes one reply line, and
-`error_reply` builds the reply every refusal shares; with them the protocol's limits
-(a line's bytes, a key's characters). It is pure: no socket, no clock, no
-session state, and it never decides what a request does (`router.control.session` does).
+This module is the one home of what both ends of the control socket must agree on:
+the protocol version a hello names, a line's byte limit, a key's character limit, the
+shape of a reply (`{"id", "ok", ...}`, and `error_reply`'s refusal), and the NDJSON
+codec: `encode_line` writes one line (a request or a reply), `decode_line` reads a
+request as the router does, `decode_reply` a reply as a worker does. The router
+(`router.control`) and the worker client (`router.worker`) both import it.
 
-Malformed input is answered, never raised: `decode_line` returns the error reply.
+It is pure: no socket, no clock, no session state, and it never decides what a request
+does (`router.control.session` does). Malformed input is answered, never raised:
+`decode_line` returns the error reply, `decode_reply` None.
 """
 
 from __future__ import annotations
@@ -17,13 +20,16 @@ from typing import Any
 __all__ = [
     "MAX_KEY_CHARS",
     "MAX_LINE_BYTES",
+    "PROTOCOL_VERSION",
     "Reply",
     "decode_line",
-    "encode",
+    "decode_reply",
+    "encode_line",
     "encoded_size",
     "error_reply",
 ]
 
+PROTOCOL_VERSION = 1  # the `v` of a hello; another is refused `unsupported_version`
 MAX_LINE_BYTES = 1 << 20  # DESIGN §3: a line over 1 MiB closes the connection
 MAX_KEY_CHARS = 512  # longer than any key a token or cookie can carry
 
@@ -35,9 +41,10 @@ Reply = dict[str, Any]
 _JSON = json.JSONEncoder(separators=(",", ":"))
 
 
-def encode(reply: Reply) -> bytes:
-    """One reply line."""
-    return _JSON.encode(reply).encode() + b"\n"
+def encode_line(message: Reply) -> bytes:
+    """One line: compact JSON (every non-ASCII character escaped, so it is ASCII) and a
+    trailing newline."""
+    return _JSON.encode(message).encode() + b"\n"
 
 
 def encoded_size(value: object) -> int:
@@ -72,3 +79,12 @@ def decode_line(line: bytes) -> dict[str, Any] | Reply:
     if not isinstance(message.get("op"), str):
         return error_reply(request_id, "bad_request", "`op` must be a string.")
     return message
+
+
+def decode_reply(line: bytes) -> Reply | None:
+    """The JSON object on a reply `line` (UTF-8), or None when it is not one."""
+    try:
+        value = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError too
+        return None
+    return value if isinstance(value, dict) else None

@@ -9,15 +9,13 @@ I/O, never touches an event loop and never reads a reply (`router.relay.reply_pa
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
-from yarl import URL
-
 # The header rules have one home, router.relay.contract (the forwarding contract); this module
 # builds the same head in one pass, pinned equal by tests/test_relay_wire.py.
+from router.protocol.addresses import HTTP, is_ip, parse_upstream
 from router.relay.contract import LastNames, _connection_named, _keeps_request_header, remember_role
 
 __all__ = [
@@ -59,37 +57,23 @@ class WorkerAddress:
 
 
 def parse_worker_address(url: str) -> WorkerAddress:
-    """The address in `http://host[:port]` or `unix:/path`; raises ValueError saying why
-    any other form is unsupported."""
-    if url.startswith("unix:"):
-        path = url[len("unix:") :]
-        if not path:
-            raise ValueError("a unix: address needs a socket path")
-        return WorkerAddress("localhost", "http://localhost", unix_path=path)
-    if not url.startswith("http://"):
-        raise ValueError("only http://host:port and unix:/path addresses are supported")
-    parsed = URL(url)
-    host = parsed.raw_host
-    if not host or parsed.raw_path not in ("", "/") or parsed.raw_query_string:
-        raise ValueError("an http address is http://host:port with no path or query")
-    if parsed.raw_user is not None or parsed.raw_fragment:
-        raise ValueError("an http address carries no user or fragment")
-    authority = parsed.raw_authority
+    """Where the worker at `url` listens, read by the protocol's grammar of worker urls
+    (`router.protocol.addresses.parse_upstream`, as every registration was); the `Host`
+    it receives is the url's `host:port` as written. Raises ValueError saying why a url
+    is not one."""
+    parsed = parse_upstream(url)
+    if isinstance(parsed, str):
+        raise ValueError(parsed)
+    if parsed.path:
+        return WorkerAddress("localhost", "http://localhost", unix_path=parsed.path)
+    authority = url[len(HTTP) :]
     return WorkerAddress(
         authority,
-        f"http://{authority}",
-        tcp_host=host,
-        tcp_port=parsed.port or 80,
-        tcp_literal=_is_ip_literal(host),
+        f"{HTTP}{authority}",
+        tcp_host=parsed.host,
+        tcp_port=parsed.port,
+        tcp_literal=is_ip(parsed.host),
     )
-
-
-def _is_ip_literal(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def worker_request_head(

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from router.config import ConfigError, is_loopback_host
+from router.config import ConfigError
 from router.core.workers import Worker, WorkerState
+from router.protocol.addresses import is_loopback_host
 
 if TYPE_CHECKING:
     from router.service.router_service import RouterService

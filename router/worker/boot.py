@@ -14,25 +14,13 @@ from __future__ import annotations
 
 import hmac
 import json
-import re
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-BOOT_HEADER = "X-Episode-Router-Boot"
-
-# What a boot may be (DESIGN §3: 1-128 characters): visible ASCII, no spaces. It
-# travels in BOOT_HEADER, and every HTTP stack must hand the worker the bytes the
-# router sent: one decodes a header as latin-1, another strips trailing spaces, and
-# a worker would then refuse its own episodes.
-_BOOT_VALUE = re.compile(r"[!-~]{1,128}")
-
-
-def valid_boot(boot: str) -> bool:
-    """True when `boot` survives the trip in BOOT_HEADER unchanged (see _BOOT_VALUE)."""
-    return _BOOT_VALUE.fullmatch(boot) is not None
+from router.protocol.boot import BOOT_HEADER
 
 
 def boot_mismatch_answer(

@@ -31,17 +31,14 @@ import os
 import secrets
 from collections.abc import Callable
 
-from router.worker.boot import (
-    BOOT_HEADER,
-    ASGIBootMiddleware,
-    aiohttp_boot_middleware,
-    boot_mismatch_answer,
-    valid_boot,
-)
+from router.protocol.addresses import ControlAddress
+from router.protocol.boot import BOOT_HEADER, valid_boot
+from router.protocol.control import MAX_LINE_BYTES, Reply, encode_line
 
 # The ASGI type aliases and SYNC_BATCH_CLAIMS are not in __all__ but were importable
 # from this module before the split; the `X as X` form keeps them exported.
 from router.worker.boot import ASGIApp as ASGIApp
+from router.worker.boot import ASGIBootMiddleware, aiohttp_boot_middleware, boot_mismatch_answer
 from router.worker.boot import ASGIMessage as ASGIMessage
 from router.worker.boot import ASGIReceive as ASGIReceive
 from router.worker.boot import ASGIScope as ASGIScope
@@ -49,10 +46,6 @@ from router.worker.boot import ASGISend as ASGISend
 from router.worker.connection import ControlConnection
 from router.worker.lines import (
     FINAL_HELLO_REFUSALS,
-    MAX_LINE_BYTES,
-    ControlAddress,
-    Reply,
-    encode_line,
     hello_message,
     parse_control_address,
     sync_messages,
