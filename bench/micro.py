@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.figures import Figure, GiB, MiB, judge
 from bench.launch import free_port, quiet_router_warnings
 from bench.load import run_async
 from bench.peers import router_config
@@ -45,40 +46,13 @@ from router.tokens.cache import TokenCache
 
 __all__ = ["Figure", "bench_claims", "bench_control", "bench_tokens", "judge", "main"]
 
-MiB = 1 << 20
-GiB = 1 << 30
 CLAIMS_TARGET_BYTES = 250 * 1000 * 1000  # "1,000,000 live claims in <= 250 MB RSS"
 CONTROL_TARGET_PAIRS_S = 50_000.0
-STREAM_TARGET_GROWTH = 32 * MiB
 # 10x the claims, under 5x the lookup time: not O(n). A dict probe is O(1); what growth
 # remains from 100,000 to 1,000,000 claims is cache and TLB misses, not more probes.
 LOOKUP_SPREAD_MAX = 5.0
 WORKER_IDS = ("w0", "w1", "w2", "w3")
 CONTROL_TIMEOUT_S = 120.0  # a bound on the whole pipelined run
-
-
-@dataclass(frozen=True, slots=True)
-class Figure:
-    """One measured figure, with the target it answers (if any) and whether it meets it."""
-
-    bench: str
-    name: str
-    value: float
-    unit: str
-    target: str = ""
-    met: bool | None = None  # None: no target, or not judged (a quick run)
-    note: str = ""
-
-    def line(self) -> str:
-        verdict = {True: "  [met]", False: "  [NOT met]", None: ""}[self.met]
-        target = f"  (target: {self.target})" if self.target else ""
-        note = f"  {self.note}" if self.note else ""
-        return f"{self.bench:9} {self.name}: {self.value:,.2f} {self.unit}{target}{verdict}{note}"
-
-
-def judge(full: bool, ok: bool) -> bool | None:
-    """A target's verdict: judged only at full size."""
-    return ok if full else None
 
 
 # --- the claim table ---------------------------------------------------------------------------

@@ -23,9 +23,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench.episodes import mint_episodes
+from bench.figures import STREAM_TARGET_GROWTH, Figure, MiB, judge
 from bench.launch import Child, free_port, raise_fd_limit, start_router, start_worker
 from bench.load import run_async
-from bench.micro import STREAM_TARGET_GROWTH, Figure, MiB, judge
 from bench.peers import TOKEN_HEADER, router_config
 from bench.procstat import peak_rss_bytes, rss_bytes
 

@@ -33,6 +33,7 @@ from itsdangerous import TimestampSigner, URLSafeSerializer
 
 with instrumented():
     from router.config import SignatureConfig
+    from router.config.patterns import compile_path_pattern, parse_json_pointer
     from router.sessions.formats import (
         MAX_KEY_CHARS,
         FormatError,
@@ -41,13 +42,7 @@ with instrumented():
         raw_session_key,
         starlette_session_key,
     )
-    from router.sessions.sources import (
-        compile_path_pattern,
-        json_pointer,
-        parse_cookie_header,
-        parse_json_pointer,
-        set_cookie_value,
-    )
+    from router.sessions.sources import json_pointer, parse_cookie_header, set_cookie_value
 
 NAME = "formats"
 NOW = 1_700_000_000.0

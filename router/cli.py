@@ -27,7 +27,7 @@ from router.config import (
     default_config,
     load_config,
 )
-from router.service.logs import setup_logging
+from router.service import setup_logging
 from router.tokens import SigningKey, mint_token, new_nonce
 
 
@@ -101,8 +101,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def serve(config: Config, banner: str | None = None, config_path: str | None = None) -> int:
     """Run the router with `config` until SIGTERM or SIGINT."""
-    from router.service.process import run_until_signalled
-    from router.service.router_service import RouterService
+    from router.service import RouterService, run_until_signalled
 
     setup_logging(config.log)
     _install_uvloop()

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from router.worker.client import (
+from router.worker import (
     BOOT_HEADER,
     FINAL_HELLO_REFUSALS,
     ASGIBootMiddleware,

@@ -29,6 +29,7 @@ from starlette.testclient import TestClient
 from test_key_sources import RFC_DOCUMENT
 
 from router.config import SignatureConfig
+from router.config.patterns import compile_path_pattern
 from router.sessions.formats import (
     MAX_KEY_CHARS,
     FormatError,
@@ -37,12 +38,7 @@ from router.sessions.formats import (
     raw_session_key,
     starlette_session_key,
 )
-from router.sessions.sources import (
-    compile_path_pattern,
-    json_pointer,
-    parse_cookie_header,
-    set_cookie_value,
-)
+from router.sessions.sources import json_pointer, parse_cookie_header, set_cookie_value
 
 SECRET = "resources-server-secret"
 COOKIE = "ResourcesServer___resources"

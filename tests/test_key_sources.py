@@ -10,13 +10,8 @@ import json
 
 import pytest
 
-from router.sessions.sources import (
-    compile_path_pattern,
-    json_pointer,
-    parse_cookie_header,
-    parse_json_pointer,
-    set_cookie_value,
-)
+from router.config.patterns import compile_path_pattern, parse_json_pointer
+from router.sessions.sources import json_pointer, parse_cookie_header, set_cookie_value
 
 NOW = 1_700_000_000  # Tue, 14 Nov 2023 22:13:20 GMT: the clock the Expires cases are read by
 

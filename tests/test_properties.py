@@ -39,6 +39,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from itsdangerous import TimestampSigner, URLSafeSerializer
 
 from router.config import SignatureConfig
+from router.config.patterns import compile_path_pattern, parse_json_pointer
 from router.control.session import ControlPolicy, ControlSession, Peer
 from router.core.machine import CoreSettings, RouterCore
 from router.protocol.control import decode_line, encode_line
@@ -51,13 +52,7 @@ from router.sessions.formats import (
     raw_session_key,
     starlette_session_key,
 )
-from router.sessions.sources import (
-    compile_path_pattern,
-    json_pointer,
-    parse_cookie_header,
-    parse_json_pointer,
-    set_cookie_value,
-)
+from router.sessions.sources import json_pointer, parse_cookie_header, set_cookie_value
 from router.tokens import (
     ALGORITHMS,
     EpisodeToken,

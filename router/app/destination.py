@@ -11,11 +11,9 @@ from __future__ import annotations
 
 from typing import Final
 
-from router.core.machine import Forward
-from router.core.workers import Worker
-from router.protocol.boot import BOOT_HEADER
-from router.relay.contract import Upstream
-from router.relay.wire import NO_EXTRA
+from router.core import Forward, Worker
+from router.protocol import BOOT_HEADER
+from router.relay import NO_EXTRA, Upstream
 
 __all__ = ["MAX_KEPT_DESTINATIONS", "Destination", "destination", "public_base"]
 

@@ -12,25 +12,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
-from router.core.answers import Answer
-from router.core.machine import Forward
-from router.core.workers import WorkerState
-from router.edge.request import BodyBroken, PublicRequest
-from router.metrics.labels import CLIENT_CLOSED
-from router.relay.contract import UpstreamFailure
-from router.relay.lane import LaneDone
-from router.sessions.reader import SessionRef
-
-if TYPE_CHECKING:  # only annotations: router.app.handler imports this module
-    from router.app.handler import PublicHandler
+from router.core import Answer, Forward, WorkerState
+from router.edge import BodyBroken, PublicRequest
+from router.metrics import CLIENT_CLOSED
+from router.relay import LaneDone, UpstreamFailure
+from router.sessions import SessionRef
 
 __all__ = [
     "BODY_OVER_LIMIT",
     "CLIENT_CLOSED_STATUS",
     "MAX_LOGGED_PATH",
     "Exchange",
+    "ExchangeOwner",
     "body_timeout_answer",
     "failure_answer",
 ]
@@ -41,6 +36,19 @@ BODY_OVER_LIMIT: Final = Answer("payload_too_large", "The request body is over t
 MAX_LOGGED_PATH: Final = 200  # a hostile client's path is cut here in the log
 # A request whose client left before its reply is counted with nginx's status for it.
 CLIENT_CLOSED_STATUS: Final = 499
+
+
+class ExchangeOwner:
+    """What an exchange tells when its forward's lane ends: the `PublicHandler` that made
+    it. A base class rather than a Protocol, so that the compiled build calls it
+    directly."""
+
+    __slots__ = ()
+
+    def lane_done(self, exchange: Exchange, result: int | Coroutine[Any, Any, int]) -> None:
+        """The reply went out (`result` is its status), or the rest of the forward is
+        the coroutine `result`, to run."""
+        raise NotImplementedError
 
 
 class Exchange(LaneDone):
@@ -60,7 +68,7 @@ class Exchange(LaneDone):
         "status",
     )
 
-    def __init__(self, handler: PublicHandler, request: PublicRequest, started: float) -> None:
+    def __init__(self, handler: ExchangeOwner, request: PublicRequest, started: float) -> None:
         self.handler = handler
         self.request = request
         self.started = started  # time.perf_counter() when it was handed to the handler

@@ -17,16 +17,18 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Final
 
 from router.app.destination import destination
-from router.app.exchange import BODY_OVER_LIMIT, MAX_LOGGED_PATH, Exchange, failure_answer
-from router.core.answers import Answer
-from router.core.machine import Forward, RouterCore
-from router.core.workers import Worker
-from router.edge.framing import framing_problem
-from router.edge.request import BodyBroken, PublicRequest
-from router.metrics.registry import RouterMetrics
-from router.relay.forwarder import Forwarder, UpstreamFailure
-from router.sessions.learning import ReplyLearner, plan_learning
-from router.sessions.reader import SessionReader, SessionRef
+from router.app.exchange import (
+    BODY_OVER_LIMIT,
+    MAX_LOGGED_PATH,
+    Exchange,
+    ExchangeOwner,
+    failure_answer,
+)
+from router.core import Answer, Forward, RouterCore, Worker
+from router.edge import BodyBroken, PublicRequest, framing_problem
+from router.metrics import RouterMetrics
+from router.relay import Forwarder, UpstreamFailure
+from router.sessions import ReplyLearner, SessionReader, SessionRef, plan_learning
 
 log = logging.getLogger("episode_router.public")
 access_log = logging.getLogger("episode_router.access")
@@ -38,7 +40,7 @@ MAX_SESSIONLESS_TRIES: Final = 3  # a sessionless request nothing of which reach
 _perf_counter: Final = time.perf_counter
 
 
-class PublicHandler:
+class PublicHandler(ExchangeOwner):
     """Routes one request at a time; holds no per-request state of its own."""
 
     def __init__(

@@ -23,6 +23,8 @@ None of it may open a socket, start a task or log, or put a secret's value in
 an error message.
 """
 
+from __future__ import annotations
+
 from router.config.addresses import is_tcp_socket
 from router.config.errors import ConfigError
 from router.config.model import (
@@ -43,13 +45,24 @@ from router.config.model import (
     SessionKindConfig,
     SignatureConfig,
     SpawnConfig,
+    SpawnedWorker,
     StateConfig,
     StaticWorkerConfig,
     TimeoutsConfig,
     TokenFormatConfig,
     VerifyConfig,
+    spawned_workers,
 )
-from router.config.parse import check_config, default_config, load_config, parse_config
+from router.config.parse import (
+    check_config,
+    default_config,
+    load_config,
+    parse_config,
+)
+from router.config.patterns import (
+    compile_path_pattern,
+    parse_json_pointer,
+)
 
 __all__ = [
     "AdminConfig",
@@ -70,14 +83,18 @@ __all__ = [
     "SessionKindConfig",
     "SignatureConfig",
     "SpawnConfig",
+    "SpawnedWorker",
     "StateConfig",
     "StaticWorkerConfig",
     "TimeoutsConfig",
     "TokenFormatConfig",
     "VerifyConfig",
     "check_config",
+    "compile_path_pattern",
     "default_config",
     "is_tcp_socket",
     "load_config",
     "parse_config",
+    "parse_json_pointer",
+    "spawned_workers",
 ]

@@ -16,13 +16,13 @@ from typing import NamedTuple
 from router.config.errors import quote
 from router.config.model import Config
 from router.config.reader import Context
-from router.protocol.addresses import (
+from router.protocol import (
     HTTP,
     TCP,
     hosts_clash,
     is_loopback_host,
-    parse_control_address,
     parse_upstream,
+    read_control_address,
     split_host_port,
 )
 
@@ -45,7 +45,7 @@ def upstream_problem(url: str) -> str | None:
 def control_socket_problem(spec: str) -> str | None:
     """Why `spec` cannot be the control socket, or None: the grammar's reason, or a
     tcp:// socket off loopback."""
-    parsed = parse_control_address(spec)
+    parsed = read_control_address(spec)
     if isinstance(parsed, str):
         return parsed
     if parsed.scheme == "tcp" and not is_loopback_host(parsed.host):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from router.protocol.addresses import TCP, UNIX, split_host_port
+from router.protocol import TCP, UNIX, split_host_port
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +100,26 @@ class SpawnConfig:
     host: str = "127.0.0.1"
     # Time to finish in-flight calls after SIGTERM before SIGKILL.
     stop_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnedWorker:
+    """One worker a `spawn:` section describes: its id, its private port and its url."""
+
+    worker_id: str
+    port: int
+    url: str
+
+
+def spawned_workers(count: int, base_port: int, host: str) -> tuple[SpawnedWorker, ...]:
+    """The workers a `spawn:` section describes (design §5): ids "w0", "w1", ... on
+    consecutive ports from `base_port`. The config check and the spawner both name
+    spawned workers by this one rule."""
+    shown = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
+    return tuple(
+        SpawnedWorker(f"w{index}", base_port + index, f"http://{shown}:{base_port + index}")
+        for index in range(count)
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from router.config.errors import ConfigError, describe, join_key, quote
-from router.protocol.addresses import is_host
+from router.protocol import is_host
 
 _MAX_SECONDS: Final = 1e9  # about 31 years: beyond this a value is a typo, and overflows timers
 _MAX_INT: Final = 2**31 - 1

@@ -39,12 +39,12 @@ from router.config.model import (
     StateConfig,
     StaticWorkerConfig,
     TimeoutsConfig,
+    spawned_workers,
 )
 from router.config.reader import Context, Section, read_integer, read_text
 from router.config.secrets import inline_refused, secret_text
 from router.config.sessions import read_sessions
-from router.protocol.addresses import UNIX, is_loopback_host
-from router.service.spawn_plan import SpawnSpec, plan_workers
+from router.protocol import UNIX, is_loopback_host
 
 TOP_KEYS: Final = (
     *("listen", "admin", "control", "workers", "health", "spawn", "sessions"),
@@ -115,10 +115,9 @@ def check_whole_config(ctx: Context, config: Config) -> None:
 def _check_spawned_workers(ctx: Context, config: Config, spawn: SpawnConfig) -> None:
     """Spawned workers must be able to register: an id of their own, a url the control
     policy lets say hello."""
-    try:  # the spawner's own rule for ids and urls, not a copy of it
-        spawned = plan_workers(SpawnSpec(spawn.command, spawn.count, spawn.base_port, spawn.host))
-    except ValueError as exc:  # a SpawnConfig built in code; a parsed one always fits
-        raise ctx.fail("spawn", str(exc)) from None
+    spawned = spawned_workers(spawn.count, spawn.base_port, spawn.host)  # the spawner's rule
+    if not spawned:  # a SpawnConfig built in code; a parsed one has at least one
+        raise ctx.fail("spawn.count", f"expected at least 1 worker, got {spawn.count!r}")
     ids = [worker.worker_id for worker in spawned]
     made = ids[0] if len(ids) == 1 else f"{ids[0]}..{ids[-1]}"
     for i, static in enumerate(config.workers):

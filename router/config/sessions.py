@@ -29,6 +29,7 @@ from router.config.model import (
     TokenFormatConfig,
     VerifyConfig,
 )
+from router.config.patterns import compile_path_pattern, parse_json_pointer
 from router.config.reader import Section
 from router.config.secrets import (
     INLINE_SECRET,
@@ -39,7 +40,6 @@ from router.config.secrets import (
     read_secret,
     secret_from_file,
 )
-from router.sessions.sources import compile_path_pattern, parse_json_pointer
 
 _SESSION_NAME: Final = re.compile(r"[a-z0-9_]{1,32}")
 # RFC 9110 token characters without '_': the router drops such headers (DESIGN §8).

@@ -1,3 +1,17 @@
 """The control socket (design §3): a connection's session rules (pure) and the
 listening server and connections (asyncio).
 """
+
+from __future__ import annotations
+
+from router.control.server import ControlServer
+from router.control.session import (
+    ControlPolicy,
+    ControlSession,
+)
+
+__all__ = [
+    "ControlPolicy",
+    "ControlServer",
+    "ControlSession",
+]

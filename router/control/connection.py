@@ -21,15 +21,13 @@ import asyncio
 import logging
 import socket
 import struct
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
-from router.control.session import ControlSession, Peer
-from router.protocol.control import MAX_LINE_BYTES, decode_line, encode_line, error_reply
+from router.control.session import ControlPolicy, ControlSession, Peer
+from router.core import RouterCore
+from router.protocol import MAX_LINE_BYTES, decode_line, encode_line, error_reply
 
-if TYPE_CHECKING:  # only annotations: the server imports this module
-    from router.control.server import ControlServer
-
-__all__ = ["CLOSE_DRAIN_S", "WRITE_BUFFER_HIGH", "ControlConnection", "peer_of"]
+__all__ = ["CLOSE_DRAIN_S", "WRITE_BUFFER_HIGH", "AcceptingServer", "ControlConnection", "peer_of"]
 
 log = logging.getLogger("episode_router.control")
 
@@ -50,10 +48,30 @@ def peer_of(transport: asyncio.BaseTransport) -> Peer:
     return Peer(uid=None, tcp=True)
 
 
+class AcceptingServer(Protocol):
+    """What a control connection needs of the server that accepted it
+    (`router.control.server.ControlServer`): the core and the policy its session
+    answers with, the clock and the hello deadline, and where it reports."""
+
+    @property
+    def core(self) -> RouterCore: ...
+    @property
+    def policy(self) -> ControlPolicy: ...
+    @property
+    def hello_deadline_s(self) -> float: ...
+    def clock(self) -> float: ...
+    def connection_opened(self, connection: ControlConnection) -> None: ...
+    def connection_closed(self, connection: ControlConnection) -> None: ...
+    def count_op(self, op: str, result: str) -> None: ...
+    def observe(
+        self, session: ControlSession, request: dict[str, object], reply: dict[str, object]
+    ) -> None: ...
+
+
 class ControlConnection(asyncio.Protocol):
     """One control connection: splits lines, answers them, applies backpressure."""
 
-    def __init__(self, server: ControlServer) -> None:
+    def __init__(self, server: AcceptingServer) -> None:
         self._server = server
         self._buffer = bytearray()
         self.transport: asyncio.Transport | None = None
@@ -72,7 +90,7 @@ class ControlConnection(asyncio.Protocol):
         # reading this peer (DESIGN §3 backpressure).
         self.transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
         self._arm_hello_deadline()
-        server.connections.add(self)
+        server.connection_opened(self)
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data

@@ -10,8 +10,8 @@ session in `router.control.session` decides what is refused.
 
 from __future__ import annotations
 
-from router.core.claims import ClaimRefusal
-from router.protocol.control import (
+from router.core import ClaimRefusal
+from router.protocol import (
     MAX_KEY_CHARS,
     MAX_LINE_BYTES,
     Reply,

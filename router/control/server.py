@@ -23,9 +23,8 @@ from collections.abc import Callable
 
 from router.control.connection import ControlConnection
 from router.control.session import ControlPolicy, ControlSession
-from router.core.machine import RouterCore
-from router.core.workers import Worker
-from router.metrics.registry import RouterMetrics
+from router.core import RouterCore, Worker
+from router.metrics import RouterMetrics
 
 log = logging.getLogger("episode_router.control")
 
@@ -180,6 +179,9 @@ class ControlServer:
         if self._unix_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._unix_path)
+
+    def connection_opened(self, connection: ControlConnection) -> None:
+        self.connections.add(connection)
 
     def connection_closed(self, connection: ControlConnection) -> None:
         self.connections.discard(connection)

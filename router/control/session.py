@@ -27,21 +27,18 @@ from router.control.refusals import (
     not_holder,
     refused_sync_entry,
 )
-from router.core.machine import RouterCore
-from router.core.workers import Worker, WorkerOrigin, WorkerState
-from router.protocol.addresses import (
-    UpstreamAddress,
-    is_loopback_upstream,
-    parse_upstream,
-    same_upstream,
-)
-from router.protocol.boot import valid_boot
-from router.protocol.control import (
+from router.core import RouterCore, Worker, WorkerOrigin, WorkerState
+from router.protocol import (
     MAX_KEY_CHARS,
     PROTOCOL_VERSION,
     Reply,
+    UpstreamAddress,
     encode_line,
     error_reply,
+    is_loopback_upstream,
+    parse_upstream,
+    same_upstream,
+    valid_boot,
 )
 
 _WORKER_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")

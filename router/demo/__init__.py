@@ -45,6 +45,7 @@ __all__ = [
     "McpError",
     "Notify",
     "Tool",
+    "annotations",
     "build_demo_app",
     "episode_request",
     "main",

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from router.edge.request import PublicRequest
+from router.edge.request import PublicRequest, RequestClient
 
 __all__ = [
     "BODY_DEADLINE",
@@ -60,7 +60,7 @@ class EdgeLimits:
     body_timeout_s: float = 60.0
 
 
-class ClockedConnection(asyncio.Protocol):
+class ClockedConnection(RequestClient):
     """A client connection's transport, flags, reading switch and clocks."""
 
     # Each layer of the connection lists its own attributes (see EdgeConnection).

@@ -11,14 +11,14 @@ It never reads a socket itself and never writes one.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Final, Protocol
+from collections.abc import Awaitable
+from typing import Final, Protocol
 
 from multidict import CIMultiDict
 
-if TYPE_CHECKING:
-    from router.edge.serving import ServingConnection
+from router.core import Answer
 
-__all__ = ["BodyBroken", "BodySource", "PublicRequest", "RequestBody"]
+__all__ = ["BodyBroken", "BodySource", "PublicRequest", "RequestBody", "RequestClient"]
 
 # A body holds at most this much unread before its connection stops reading: a client
 # uploading faster than the worker takes it waits in its own socket buffer, not in ours.
@@ -150,6 +150,80 @@ class ClientLost:
         raise NotImplementedError
 
 
+class RequestClient(asyncio.Protocol):
+    """The connection a request came on, as its handler sees it: the replies it writes for
+    the request at the head of its queue, and what it is told of the handler's progress.
+
+    `router.edge.serving.ServingConnection` implements it (each method's contract is
+    said there). A base class of the connection's layers rather than a Protocol, so that
+    a request names its connection without importing the layers above it and the
+    compiled build still calls these methods directly.
+    """
+
+    __slots__ = ()
+
+    def answer(self, request: PublicRequest, answer: Answer) -> None:
+        raise NotImplementedError
+
+    def reply_whole(
+        self,
+        request: PublicRequest,
+        status: int,
+        reason: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> None:
+        raise NotImplementedError
+
+    def reply_as_is(
+        self,
+        request: PublicRequest,
+        status: int,
+        whole: bytes,
+        body_length: int | None,
+        has_date: bool,
+    ) -> bool:
+        raise NotImplementedError
+
+    def reply_start(
+        self,
+        request: PublicRequest,
+        status: int,
+        reason: bytes,
+        headers: list[tuple[bytes, bytes]],
+        first: bytes,
+    ) -> None:
+        raise NotImplementedError
+
+    def reply_write(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def reply_end(self) -> None:
+        raise NotImplementedError
+
+    def reply_abort(self, idle_s: float) -> None:
+        raise NotImplementedError
+
+    async def drain(self) -> None:
+        raise NotImplementedError
+
+    def send_continue(self) -> None:
+        raise NotImplementedError
+
+    def drop(self) -> None:
+        raise NotImplementedError
+
+    def carry_on(self, request: PublicRequest, rest: Awaitable[None]) -> None:
+        raise NotImplementedError
+
+    def finished(self, request: PublicRequest) -> None:
+        raise NotImplementedError
+
+    @property
+    def client_gone(self) -> bool:
+        raise NotImplementedError
+
+
 class PublicRequest:
     """One request on the public port, from its head on.
 
@@ -198,7 +272,7 @@ class PublicRequest:
         content_length: int | None,
         chunked: bool,
         body: RequestBody | None,
-        client: ServingConnection,
+        client: RequestClient,
         authority: str | None = None,
     ) -> None:
         self.method = method
@@ -226,7 +300,7 @@ class PublicRequest:
         self.expect_continue = False
         self._whole_body: bytes | None = None
         # The connection it came on, which writes its reply (router.edge.server.EdgeConnection,
-        # as its handler sees it).
+        # as its handler sees it: RequestClient).
         self.client = client
         # Told once if the client connection closes while this request is handled.
         self.on_client_lost: ClientLost | None = None

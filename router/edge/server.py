@@ -30,7 +30,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Final, cast
 
-from router.core.answers import Answer
+from router.core import Answer
 from router.edge.clock import HEAD_DEADLINE, EdgeLimits
 from router.edge.parsing import ParsingConnection
 from router.edge.serving import Handler

@@ -25,7 +25,7 @@ import termios
 from collections.abc import Awaitable, Callable
 from typing import Final
 
-from router.core.answers import Answer, render
+from router.core import Answer, render
 from router.edge.clock import HEAD_DEADLINE, IDLE_DEADLINE, ClockedConnection, EdgeLimits
 from router.edge.request import PublicRequest
 from router.edge.wire import BodyFraming, answer_head, continue_line, head_additions, reply_head

@@ -16,7 +16,7 @@ from email.utils import formatdate
 from http import HTTPStatus
 from typing import Final
 
-from router.core.answers import Answer
+from router.core import Answer
 
 __all__ = [
     "BodyFraming",

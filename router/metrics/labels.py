@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from router.core.workers import WorkerState
+from router.core import WorkerState
 
 __all__ = [
     "CLASS_LABELS",

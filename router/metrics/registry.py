@@ -30,7 +30,7 @@ from typing import Final
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import choose_encoder
 
-from router.core.answers import STATUS_BY_CODE
+from router.core import STATUS_BY_CODE
 from router.metrics.counts import HotCollector
 from router.metrics.labels import (
     CLASS_LABELS,

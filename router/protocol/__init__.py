@@ -2,3 +2,65 @@
 protocol's lines, versions and limits, the grammar of worker and control addresses, and
 the boot header. Pure: no sockets, no event loop; imported by both sides.
 """
+
+from __future__ import annotations
+
+from router.protocol.addresses import (
+    HTTP,
+    TCP,
+    UNIX,
+    ControlAddress,
+    UpstreamAddress,
+    hosts_clash,
+    is_host,
+    is_ip,
+    is_loopback_host,
+    is_loopback_upstream,
+    parse_upstream,
+    read_control_address,
+    same_upstream,
+    split_host_port,
+)
+from router.protocol.boot import (
+    BOOT_HEADER,
+    valid_boot,
+)
+from router.protocol.control import (
+    MAX_KEY_CHARS,
+    MAX_LINE_BYTES,
+    PROTOCOL_VERSION,
+    Reply,
+    decode_line,
+    decode_reply,
+    encode_line,
+    encoded_size,
+    error_reply,
+)
+
+__all__ = [
+    "BOOT_HEADER",
+    "HTTP",
+    "MAX_KEY_CHARS",
+    "MAX_LINE_BYTES",
+    "PROTOCOL_VERSION",
+    "TCP",
+    "UNIX",
+    "ControlAddress",
+    "Reply",
+    "UpstreamAddress",
+    "decode_line",
+    "decode_reply",
+    "encode_line",
+    "encoded_size",
+    "error_reply",
+    "hosts_clash",
+    "is_host",
+    "is_ip",
+    "is_loopback_host",
+    "is_loopback_upstream",
+    "parse_upstream",
+    "read_control_address",
+    "same_upstream",
+    "split_host_port",
+    "valid_boot",
+]

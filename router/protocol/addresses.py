@@ -30,8 +30,8 @@ __all__ = [
     "is_ip",
     "is_loopback_host",
     "is_loopback_upstream",
-    "parse_control_address",
     "parse_upstream",
+    "read_control_address",
     "same_upstream",
     "split_host_port",
     "unix_path_problem",
@@ -175,7 +175,7 @@ class ControlAddress:
     port: int = 0
 
 
-def parse_control_address(spec: str) -> ControlAddress | str:
+def read_control_address(spec: str) -> ControlAddress | str:
     """The control socket `spec` names (`unix:PATH` or `tcp://host:port`), or why it
     names none. Whether a tcp:// one may be off loopback is the caller's rule."""
     if spec.startswith(UNIX):

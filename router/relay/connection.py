@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Final, cast
+from typing import Final, cast
 
 from router.relay.reply_parser import ReplyParser
 
-if TYPE_CHECKING:  # only annotations: the pool imports this module
-    from router.relay.pool import WorkerPool
-
-__all__ = ["INTERRUPTED", "TIMED_OUT", "WOKE", "ReplyWatcher", "WorkerConnection"]
+__all__ = [
+    "INTERRUPTED",
+    "TIMED_OUT",
+    "WOKE",
+    "ConnectionOwner",
+    "ReplyWatcher",
+    "WorkerConnection",
+]
 
 # A reply body not yet relayed may grow to this much before the worker's socket is no
 # longer read; reading resumes once the relay takes it (aiohttp's client pauses at 128 KiB).
@@ -48,6 +52,21 @@ class ReplyWatcher:
     def woke(self, outcome: int) -> None:
         """The reply moved (WOKE), the deadline passed (TIMED_OUT) or `interrupt()` was
         called (INTERRUPTED)."""
+        raise NotImplementedError
+
+
+class ConnectionOwner:
+    """What a connection tells when it closes: its `WorkerPool`. A base class rather than
+    a Protocol, so that the compiled build calls it directly."""
+
+    __slots__ = ()
+
+    def lost(self, conn: WorkerConnection) -> None:
+        """`conn` was closed by its holder: its place is free."""
+        raise NotImplementedError
+
+    def dropped(self, conn: WorkerConnection) -> None:
+        """The worker closed `conn`."""
         raise NotImplementedError
 
 
@@ -79,7 +98,7 @@ class WorkerConnection(asyncio.Protocol):
         "write_paused",
     )
 
-    def __init__(self, pool: WorkerPool, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, pool: ConnectionOwner, loop: asyncio.AbstractEventLoop) -> None:
         self._pool = pool
         self._loop = loop
         self._waiter: asyncio.Future[int] | None = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-from router.edge.request import BodyBroken, ClientLost, PublicRequest
+from router.edge import BodyBroken, ClientLost, PublicRequest
 from router.relay.connection import WorkerConnection
 from router.relay.contract import keeps_every_reply_header, relayed_reply_headers
 from router.relay.pool import WorkerPool

@@ -21,10 +21,12 @@ so the client sees an incomplete reply rather than a forged clean end.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 
 from multidict import CIMultiDict
 
-from router.edge.request import PublicRequest
+from router.edge import PublicRequest
 from router.relay.connection import TIMED_OUT, WOKE, WorkerConnection
 from router.relay.contract import (
     ForwardTimeouts,
@@ -36,7 +38,7 @@ from router.relay.contract import (
     rewrite_location,
 )
 from router.relay.exchange import Exchange, client_headers, send_whole, stale
-from router.relay.lane import Lane, LaneDone
+from router.relay.lane import Lane, LaneDone, LaneOwner
 from router.relay.pool import PoolClosed, WorkerPool
 from router.relay.reply import CLIENT_GONE, log, send_cut, stream_reply
 from router.relay.request import WHOLE_BODY_MAX, body_failure, connect_failure, outgoing
@@ -56,7 +58,7 @@ __all__ = [
 ]
 
 
-class Forwarder:
+class Forwarder(LaneOwner):
     """Relays requests to workers over keep-alive pools, one pool per worker."""
 
     def __init__(self, timeouts: ForwardTimeouts, *, pool_size_per_upstream: int = 256) -> None:
@@ -177,6 +179,13 @@ class Forwarder:
         lane = Lane(self, exchange, message, public_base, on_done)
         conn.listen(lane, exchange.deadline)
         return True
+
+    def handed_over(
+        self, exchange: Exchange, message: bytes, public_base: str | None
+    ) -> Coroutine[Any, Any, int]:
+        """A forward its lane handed over (`Lane`): the rest of it, to run."""
+        self.lane_handovers += 1
+        return self.resume(exchange, message, public_base)
 
     async def resume(self, exchange: Exchange, message: bytes, public_base: str | None) -> int:
         """The rest of a forward the lane started and handed over (`relay_lane.Lane`): as

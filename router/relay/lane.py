@@ -12,15 +12,12 @@ coroutine that raises it.
 from __future__ import annotations
 
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from router.relay.connection import WOKE, ReplyWatcher
 from router.relay.exchange import Exchange, send_whole
 
-if TYPE_CHECKING:  # only annotations: router.relay.forwarder imports this module
-    from router.relay.forwarder import Forwarder
-
-__all__ = ["Lane", "LaneDone"]
+__all__ = ["Lane", "LaneDone", "LaneOwner"]
 
 
 class LaneDone:
@@ -39,6 +36,20 @@ class LaneDone:
         raise NotImplementedError
 
 
+class LaneOwner:
+    """What a lane hands a forward it cannot finish to: the `Forwarder` that started it.
+    A base class rather than a Protocol, as `LaneDone` is, so that the compiled build
+    calls it directly."""
+
+    __slots__ = ()
+
+    def handed_over(
+        self, exchange: Exchange, message: bytes, public_base: str | None
+    ) -> Coroutine[Any, Any, int]:
+        """The rest of the forward, from the wait for the reply head on, to run."""
+        raise NotImplementedError
+
+
 class Lane(ReplyWatcher):
     """A forward started by `Forwarder.start`, waiting on its connection's callback."""
 
@@ -46,7 +57,7 @@ class Lane(ReplyWatcher):
 
     def __init__(
         self,
-        forwarder: Forwarder,
+        forwarder: LaneOwner,
         exchange: Exchange,
         message: bytes,
         public_base: str | None,
@@ -79,8 +90,9 @@ class Lane(ReplyWatcher):
         if status is not None:
             self.on_done.lane_done(status)
         else:
-            self.forwarder.lane_handovers += 1
-            self.on_done.lane_done(self.forwarder.resume(exchange, self.message, self.public_base))
+            self.on_done.lane_done(
+                self.forwarder.handed_over(exchange, self.message, self.public_base)
+            )
 
 
 async def _raise(exc: Exception) -> int:

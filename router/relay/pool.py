@@ -14,7 +14,7 @@ import asyncio
 import socket
 from collections import deque
 
-from router.relay.connection import WorkerConnection
+from router.relay.connection import ConnectionOwner, WorkerConnection
 from router.relay.wire import WorkerAddress
 
 __all__ = ["KEEPALIVE_S", "PoolClosed", "WorkerPool"]
@@ -29,7 +29,7 @@ class PoolClosed(Exception):
     """The pool closed (the worker was forgotten, or the router is stopping)."""
 
 
-class WorkerPool:
+class WorkerPool(ConnectionOwner):
     """The keep-alive connections to one worker, at most `limit` of them.
 
     `acquire()` hands out the most recently idle connection (the warmest), else opens

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from router.edge.request import PublicRequest
+from router.edge import PublicRequest
 from router.relay.connection import INTERRUPTED, WorkerConnection
 
 __all__ = ["CLIENT_GONE", "ReplyHead", "send_cut", "stream_reply"]

@@ -15,7 +15,7 @@ from typing import Final
 
 from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
 
-from router.edge.framing import content_length_number
+from router.edge import content_length_number
 
 __all__ = ["CLOSED_BEFORE_REPLY", "MAX_REPLY_FIELD", "MAX_REPLY_HEAD", "SWITCHED", "ReplyParser"]
 

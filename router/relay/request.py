@@ -15,7 +15,7 @@ import errno
 import os
 from typing import Final
 
-from router.edge.request import BodyBroken, PublicRequest
+from router.edge import BodyBroken, PublicRequest
 from router.relay.contract import ForwardTimeouts, UpstreamFailure
 from router.relay.exchange import Exchange
 from router.relay.pool import PoolClosed

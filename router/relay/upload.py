@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
-from router.edge.request import BodyBroken
+from router.edge import BodyBroken
 from router.relay.connection import WorkerConnection
 from router.relay.exchange import Exchange
 

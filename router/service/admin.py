@@ -8,22 +8,36 @@ from __future__ import annotations
 
 import hmac
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
-from router.config import ConfigError
-from router.core.workers import Worker, WorkerState
-from router.protocol.addresses import is_loopback_host
+from router.config import Config, ConfigError
+from router.core import RouterCore, Worker, WorkerState
+from router.metrics import RouterMetrics
+from router.protocol import is_loopback_host
+from router.service.reload import ReloadPlan
 
-if TYPE_CHECKING:
-    from router.service.router_service import RouterService
 
-_SERVICE: web.AppKey[RouterService] = web.AppKey("service")
+class AdminBackend(Protocol):
+    """What the admin API reads and changes of a running router (its `RouterService`):
+    the config it runs, its core, its metrics, its spawned workers' pids and its reload."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def core(self) -> RouterCore: ...
+    @property
+    def metrics(self) -> RouterMetrics: ...
+    def worker_pid(self, worker_id: str) -> int | None: ...
+    def reload_from_file(self) -> ReloadPlan: ...
+
+
+_SERVICE: web.AppKey[AdminBackend] = web.AppKey("service")
 _OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
-def admin_application(service: RouterService) -> web.Application:
+def admin_application(service: AdminBackend) -> web.Application:
     app = web.Application(middlewares=[_require_token])
     app[_SERVICE] = service
     app.router.add_get("/healthz", _healthz)

@@ -16,8 +16,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from router.core.machine import RouterCore
-from router.core.workers import Worker, WorkerOrigin
+from router.core import RouterCore, Worker, WorkerOrigin
 
 log = logging.getLogger("episode_router.health")
 

@@ -26,10 +26,8 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from router.core.claims import Claim, ClaimState
-from router.core.machine import RouterCore
-from router.core.workers import Worker, WorkerOrigin, WorkerState
-from router.protocol.addresses import parse_upstream
+from router.core import Claim, ClaimState, RouterCore, Worker, WorkerOrigin, WorkerState
+from router.protocol import parse_upstream
 
 log = logging.getLogger("episode_router.journal")
 

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
-from router.app.exchange import MAX_LOGGED_PATH
-from router.edge.server import EdgeServer
+from router.app import MAX_LOGGED_PATH
+from router.edge import EdgeServer
 
 PUBLIC_BACKLOG = 1024  # pending connections on the public port (asyncio's default: 100)
 

@@ -24,16 +24,14 @@ from typing import Any
 
 from aiohttp import web
 
-from router.app.handler import PublicHandler, access_log
+from router.app import PublicHandler, access_log
 from router.build import build_name
 from router.config import Config, load_config
-from router.control.server import ControlServer
-from router.control.session import ControlSession
-from router.core.machine import RouterCore
-from router.core.workers import Worker, WorkerOrigin, WorkerState
-from router.edge.server import EdgeServer
-from router.metrics.registry import RouterMetrics
-from router.relay.forwarder import Forwarder
+from router.control import ControlServer, ControlSession
+from router.core import RouterCore, Worker, WorkerOrigin, WorkerState
+from router.edge import EdgeServer
+from router.metrics import RouterMetrics
+from router.relay import Forwarder
 from router.service.admin import admin_application
 from router.service.health import HealthProber
 from router.service.journal import JournalFile, replay
@@ -51,7 +49,7 @@ from router.service.settings import (
 )
 from router.service.spawner import SpawnedWorker, Spawner
 from router.service.static_workers import check_worker, sync_static_workers
-from router.sessions.reader import SessionReader
+from router.sessions import SessionReader
 
 log = logging.getLogger("episode_router")
 

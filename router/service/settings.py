@@ -18,12 +18,12 @@ import logging
 import os
 
 from router.config import Config, SpawnConfig
-from router.control.session import ControlPolicy
-from router.core.machine import CoreSettings
-from router.edge.server import EdgeLimits
-from router.relay.forwarder import ForwardTimeouts
+from router.control import ControlPolicy
+from router.core import CoreSettings
+from router.edge import EdgeLimits
+from router.relay import ForwardTimeouts
 from router.service.spawner import SpawnSpec, plan_workers
-from router.sessions.reader import SessionKind, kind_from_config
+from router.sessions import SessionKind, kind_from_config
 
 log = logging.getLogger("episode_router")
 

@@ -19,6 +19,8 @@ import string
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from router.config import SpawnedWorker, spawned_workers
+
 __all__ = [
     "ENV_PREFIX",
     "FIRST_BACKOFF_S",
@@ -79,24 +81,9 @@ class SpawnSpec:
             raise ValueError(f"spawn stop_timeout_s must be finite, got {timeout!r}")
 
 
-@dataclass(frozen=True, slots=True)
-class SpawnedWorker:
-    """One worker the router spawns: its id, its private port and the URL it serves on."""
-
-    worker_id: str
-    port: int
-    url: str
-
-
 def plan_workers(spec: SpawnSpec) -> tuple[SpawnedWorker, ...]:
     """Return the workers `spec` describes: ids "w0", "w1", ... on consecutive ports."""
-    host = f"[{spec.host}]" if ":" in spec.host else spec.host  # an IPv6 address in a URL
-    return tuple(
-        SpawnedWorker(
-            f"w{index}", spec.base_port + index, f"http://{host}:{spec.base_port + index}"
-        )
-        for index in range(spec.count)
-    )
+    return spawned_workers(spec.count, spec.base_port, spec.host)
 
 
 def render_command(spec: SpawnSpec, worker: SpawnedWorker) -> list[str]:

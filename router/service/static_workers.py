@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from router.config import StaticWorkerConfig
-from router.core.machine import RouterCore
-from router.core.workers import Worker, WorkerOrigin, WorkerState
+from router.core import RouterCore, Worker, WorkerOrigin, WorkerState
 from router.service.health import HealthProber, probe_connect
 
 

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Final
 
 from itsdangerous import BadSignature, TimestampSigner, URLSafeSerializer
 
-from router.protocol.control import MAX_KEY_CHARS  # a longer key can never be claimed
-from router.tokens.errors import RefusalCode, RefusedValue
+from router.protocol import MAX_KEY_CHARS  # a longer key can never be claimed
+from router.tokens import RefusalCode, RefusedValue
 
 if TYPE_CHECKING:
     from router.config import SignatureConfig

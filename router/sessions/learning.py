@@ -19,18 +19,24 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
-from router.core.machine import RouterCore
-from router.core.workers import Worker
-from router.metrics.registry import RouterMetrics
+from router.core import RouterCore, Worker
 from router.sessions.formats import FormatError, mcp_session_key
 from router.sessions.reader import Headers, SessionKind, SessionReader, SessionRef, session_key
 from router.sessions.sources import json_pointer, set_cookie_value
-from router.tokens.errors import RefusedValue
+from router.tokens import RefusedValue
 
 log = logging.getLogger("episode_router.learn")
 
 MAX_LEARN_BODY_BYTES = 65536  # a seed reply larger than this is relayed without learning
+
+
+class LearningCounts(Protocol):
+    """Where learning is counted (the router's metrics)."""
+
+    def learned(self, kind: str) -> None: ...
+    def learn_conflict(self, kind: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +116,7 @@ class ReplyLearner:
         *,
         clock: Callable[[], float],
         wall_clock: Callable[[], float],
-        metrics: RouterMetrics | None = None,
+        metrics: LearningCounts | None = None,
     ) -> None:
         self._plan = plan
         self._metrics = metrics

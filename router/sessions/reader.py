@@ -26,8 +26,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final, Protocol
 
-from router.config import LearnConfig, RouteConfig, SessionKindConfig, SignatureConfig
-from router.core.answers import Answer
+from router.config import (
+    LearnConfig,
+    RouteConfig,
+    SessionKindConfig,
+    SignatureConfig,
+    compile_path_pattern,
+)
+from router.core import Answer
 from router.sessions.formats import (
     FormatError,
     itsdangerous_session_key,
@@ -35,10 +41,8 @@ from router.sessions.formats import (
     raw_session_key,
     starlette_session_key,
 )
-from router.sessions.sources import compile_path_pattern, json_pointer, parse_cookie_header
-from router.tokens import TokenVerifier, parse_token
-from router.tokens.cache import TokenCache
-from router.tokens.errors import RefusedValue
+from router.sessions.sources import json_pointer, parse_cookie_header
+from router.tokens import RefusedValue, TokenCache, TokenVerifier, parse_token
 
 
 class Headers(Protocol):

@@ -2,8 +2,9 @@
 
 This module owns reading the places `router.sessions.formats`' values come from: the
 request's Cookie header lines and a reply's Set-Cookie headers (as the servers
-behind the router read and write them), RFC 6901 JSON pointers into a parsed body,
-and path patterns with one `{key}` segment. Each gives the value as written there,
+behind the router read and write them) and RFC 6901 JSON pointers into a parsed body
+(the grammars of pointers and path patterns, which the config checks, are
+`router.config.patterns`'). Each gives the value as written there,
 or None (a LookupError for a pointer) when there is none, and raises ValueError for
 a malformed pointer or pattern; checking the value as a session key is
 `router.sessions.formats`' work.
@@ -15,17 +16,16 @@ pass `now`), log, or touch the network.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from email.utils import mktime_tz, parsedate_tz
 from typing import Final
 
+from router.config import parse_json_pointer
 from router.sessions.formats import json_type
 
 __all__ = [
-    "compile_path_pattern",
     "json_pointer",
     "parse_cookie_header",
-    "parse_json_pointer",
     "set_cookie_value",
 ]
 
@@ -33,10 +33,6 @@ __all__ = [
 _COOKIE_NAME: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _MAX_AGE: Final = re.compile(r"-?[0-9]+")
 _ARRAY_INDEX: Final = re.compile(r"0|[1-9][0-9]*")
-_POINTER_ESCAPE: Final = re.compile(r"~(?![01])")
-# RFC 3986 pchar: unreserved, pct-encoded, sub-delims, ":" and "@".
-_PATH_SEGMENT: Final = re.compile(r"(?:[A-Za-z0-9._~!$&'()*+,;=:@-]|%[0-9A-Fa-f]{2})+")
-_KEY_PLACEHOLDER: Final = "{key}"
 
 
 # ---------------------------------------------------------------------------- cookies
@@ -135,21 +131,6 @@ def _http_date(text: str) -> float | None:
 # ---------------------------------------------------------------------------- JSON pointers
 
 
-def parse_json_pointer(pointer: str) -> tuple[str, ...]:
-    """The reference tokens of an RFC 6901 JSON pointer, unescaped ("~1" is "/", "~0" is "~").
-
-    "" is the whole document. Raises ValueError for a pointer that does not
-    start with "/" or has a "~" not followed by 0 or 1.
-    """
-    if not pointer:
-        return ()
-    if not pointer.startswith("/"):
-        raise ValueError("a JSON pointer starts with '/'")
-    if _POINTER_ESCAPE.search(pointer):
-        raise ValueError("'~' in a JSON pointer must be followed by 0 or 1 (~0 is ~, ~1 is /)")
-    return tuple(t.replace("~1", "/").replace("~0", "~") for t in pointer[1:].split("/"))
-
-
 def json_pointer(document: object, pointer: str) -> object:
     """The value `pointer` (RFC 6901) refers to in a parsed JSON `document`.
 
@@ -171,52 +152,3 @@ def json_pointer(document: object, pointer: str) -> object:
         else:
             raise LookupError(f"{json_type(value)} has no member {token!r}")
     return value
-
-
-# ---------------------------------------------------------------------------- path patterns
-
-
-def compile_path_pattern(pattern: str) -> Callable[[str], str | None]:
-    """A matcher for `pattern`, like "/rollouts/{key}/stop": it gives a path's key, or None.
-
-    The pattern starts with "/", has exactly one "{key}" segment and at least
-    one literal segment; literal segments are RFC 3986 path characters and
-    match exactly. The matcher takes a request's raw path (a query string is
-    ignored) and returns the key segment exactly as written there, with no
-    percent-decoding, since workers read the same raw path; an empty key
-    segment does not match. Callers check the key with `raw_session_key`.
-    Raises ValueError for a bad pattern.
-    """
-    segments = _pattern_segments(pattern)
-    index = segments.index(_KEY_PLACEHOLDER)
-
-    def match(path: str) -> str | None:
-        parts = path.partition("?")[0].split("/")
-        if len(parts) != len(segments) + 1 or parts[0]:
-            return None
-        del parts[0]
-        key = parts[index]
-        parts[index] = _KEY_PLACEHOLDER
-        return key if key and parts == segments else None
-
-    return match
-
-
-def _pattern_segments(pattern: str) -> list[str]:
-    if not pattern.startswith("/"):
-        raise ValueError("a path pattern starts with '/'")
-    segments = pattern[1:].split("/")
-    if segments.count(_KEY_PLACEHOLDER) != 1:
-        raise ValueError("a path pattern has exactly one {key} segment")
-    literals = [s for s in segments if s != _KEY_PLACEHOLDER]
-    if not literals:
-        raise ValueError(
-            "a path pattern needs a literal segment besides {key}, "
-            "or every one-segment path (/health, /seed_session) would name a session"
-        )
-    for segment in literals:
-        if "{" in segment or "}" in segment or "*" in segment:
-            raise ValueError(f"{segment!r}: {{key}} must be a whole segment; '*' is not supported")
-        if not _PATH_SEGMENT.fullmatch(segment):
-            raise ValueError(f"{segment!r} is not a path segment (empty, or not URL characters)")
-    return segments

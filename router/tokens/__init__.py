@@ -4,6 +4,11 @@ Workers import these names from `router.tokens`. Pure: no I/O.
 
 from __future__ import annotations
 
+from router.tokens.cache import TokenCache
+from router.tokens.errors import (
+    RefusalCode,
+    RefusedValue,
+)
 from router.tokens.jws import (
     ALGORITHMS,
     MAX_ATT,
@@ -30,10 +35,14 @@ __all__ = [
     "MAX_TOKEN_BYTES",
     "MIN_HS256_SECRET_BYTES",
     "EpisodeToken",
+    "RefusalCode",
+    "RefusedValue",
     "SigningKey",
+    "TokenCache",
     "TokenError",
     "TokenErrorCode",
     "TokenVerifier",
+    "annotations",
     "episode_key",
     "mint_token",
     "new_nonce",

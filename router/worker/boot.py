@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from router.protocol.boot import BOOT_HEADER
+from router.protocol import BOOT_HEADER
 
 
 def boot_mismatch_answer(

@@ -31,9 +31,14 @@ import os
 import secrets
 from collections.abc import Callable
 
-from router.protocol.addresses import ControlAddress
-from router.protocol.boot import BOOT_HEADER, valid_boot
-from router.protocol.control import MAX_LINE_BYTES, Reply, encode_line
+from router.protocol import (
+    BOOT_HEADER,
+    MAX_LINE_BYTES,
+    ControlAddress,
+    Reply,
+    encode_line,
+    valid_boot,
+)
 
 # The ASGI type aliases and SYNC_BATCH_CLAIMS are not in __all__ but were importable
 # from this module before the split; the `X as X` form keeps them exported.

@@ -17,8 +17,7 @@ import asyncio
 import contextlib
 import logging
 
-from router.protocol.addresses import ControlAddress
-from router.protocol.control import MAX_LINE_BYTES, decode_reply
+from router.protocol import MAX_LINE_BYTES, ControlAddress, decode_reply
 from router.worker.requests import Request, RequestBook
 
 log = logging.getLogger("router.client")  # one logger for the whole client, as before its split

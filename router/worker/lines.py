@@ -14,9 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from router.protocol.addresses import ControlAddress
-from router.protocol.addresses import parse_control_address as read_control_address
-from router.protocol.control import MAX_LINE_BYTES, PROTOCOL_VERSION, Reply, encode_line
+from router.protocol import (
+    MAX_LINE_BYTES,
+    PROTOCOL_VERSION,
+    ControlAddress,
+    Reply,
+    encode_line,
+    read_control_address,
+)
 
 __all__ = [
     "FINAL_HELLO_REFUSALS",

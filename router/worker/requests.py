@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from router.protocol.control import MAX_LINE_BYTES, Reply, encode_line
+from router.protocol import MAX_LINE_BYTES, Reply, encode_line
 
 log = logging.getLogger("router.client")  # one logger for the whole client, as before its split
 
