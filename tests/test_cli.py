@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from router_fixtures import Rig, open_rig
 
 from router.cli import demo_banner, demo_config, format_status, main
 from router.tokens import SigningKey, parse_token
+from tests.router_fixtures import Rig, open_rig
 
 
 def test_check_config_accepts_the_example_and_names_what_it_read(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Final
 
 # The header rules have one home, router.relay.contract (the forwarding contract); this module
-# builds the same head in one pass, pinned equal by tests/test_relay_wire.py.
+# builds the same head in one pass, pinned equal by tests/relay/test_wire.py.
 from router.protocol import HTTP, is_ip, parse_upstream
 from router.relay.contract import LastNames, _connection_named, _keeps_request_header, remember_role
 

@@ -11,7 +11,7 @@ that is what a misrouted request looks like.
 It knows nothing of the router: no control socket, no claims, no episode
 tokens. The secret key comes from the environment. Run one process per port:
 
-    python -m uvicorn e2e.starlette_app:create_app --factory --app-dir tests \
+    python -m uvicorn tests.e2e.starlette_app:create_app --factory --app-dir . \
         --host 127.0.0.1 --port PORT --workers 1
 """
 

@@ -67,7 +67,7 @@ WORKER_IDS = ("w0", "w1", "w2", "w3")
 HEALTH_INTERVAL_S = 0.2
 # A few probe rounds (two refused probes retire a worker), with room for a busy 2-core machine.
 EXIT_NOTICED_WITHIN_S = 15 * HEALTH_INTERVAL_S
-APP_DIR = Path(__file__).resolve().parents[1]  # the folder the `e2e` package is imported from
+APP_DIR = Path(__file__).resolve().parents[2]  # the folder the `tests` package is imported from
 SEED = {"method": "POST", "path": "/seed_session"}
 CLOSE = {"method": "POST", "path": "/close_session"}
 TOKEN_POINTER = f"/mcp/headers/{TOKEN_HEADER}"
@@ -104,7 +104,7 @@ def start_servers(launcher: Launcher, secret: str, prefix: str) -> list[Server]:
     for worker_id in WORKER_IDS:
         port = free_port()
         argv = [
-            *(sys.executable, "-m", "uvicorn", "e2e.starlette_app:create_app", "--factory"),
+            *(sys.executable, "-m", "uvicorn", "tests.e2e.starlette_app:create_app", "--factory"),
             *("--app-dir", str(APP_DIR), "--host", LOOPBACK, "--port", str(port)),
             *("--workers", "1", "--no-access-log", "--log-level", "warning"),
         ]
