@@ -1,4 +1,4 @@
-"""Fuzz target: the control protocol's codec and session (DESIGN §3), fed any byte stream.
+"""Fuzz target: the control protocol's codec and session (design §3), fed any byte stream.
 
 Each input is one connection's bytes, cut into lines as the control server cuts them,
 and is played on two cores that start alike: the server's way (`_answer_lines`: the

@@ -1,4 +1,4 @@
-"""Fuzz target: the forwarding header rules (DESIGN §8), fed any header section.
+"""Fuzz target: the forwarding header rules (design §8), fed any header section.
 
 Each input line `name:value` is one client header (or, after a line holding only `--`,
 one worker reply header). `request_headers_for_worker` must never pass on a hop-by-hop

@@ -1,7 +1,7 @@
-"""Fuzz target: the episode token parser (DESIGN §2), fed any header value.
+"""Fuzz target: the episode token parser (design §2), fed any header value.
 
 `parse_token` must raise nothing but `TokenError`, with or without a verifier; a token it
-accepts keeps DESIGN §2's bounds, and one that verifies names exactly what a seed signed.
+accepts keeps design §2's bounds, and one that verifies names exactly what a seed signed.
 Any other exception, or a broken bound, is a finding.
 
 Coverage-guided, with atheris (libFuzzer flags; crashes are written as `crash-*` files

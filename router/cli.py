@@ -185,7 +185,7 @@ def demo_banner(port: int, admin_port: int, workers: int) -> str:
         f'  curl -s -i -X POST -H "X-NeMo-Gym-Episode-Token: $({cli} token mint --ep nobody)" '
         f"{base}/tools/get",
         f"The same tools over MCP: {base}/mcp, with the token header on every request",
-        "  (the README's 'MCP through the router' has a Python SDK client).",
+        "  (docs/guides/mcp.md has a Python SDK client).",
         "Workers, their pids and claims (kill -9 one: its episodes get 410 worker_exited):",
         f"  {cli} status --admin {admin}",
         "Stop with Ctrl-C.",

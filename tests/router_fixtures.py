@@ -160,7 +160,7 @@ class Reply:
         return [v for k, v in self.json()["headers"] if k.lower() == lower]
 
     def assert_answer(self, status: int, code: str, session: str | None) -> None:
-        """The reply is the router's own answer: exact JSON shape and headers (DESIGN §1)."""
+        """The reply is the router's own answer: exact JSON shape and headers (design §1)."""
         assert self.status == status, (self.status, self.body)
         assert self.headers.getall("Content-Type") == ["application/json"]
         body = self.json()

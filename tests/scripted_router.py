@@ -1,4 +1,4 @@
-"""A scripted router for control-client tests: the router's side of DESIGN §3, on real sockets.
+"""A scripted router for control-client tests: the router's side of design §3, on real sockets.
 
 `ScriptedRouter` is the router's side of the control contract, written small and
 from the contract alone: hello with its refusals, a claim table with conflicts

@@ -4,7 +4,7 @@ Hypothesis drives four surfaces a peer controls:
 
 - the episode token (`router.tokens.parse_token`): any text, valid tokens mutated, and
   hand-built segments of arbitrary JSON raise nothing but `TokenError`; what is accepted
-  keeps DESIGN §2's bounds, and with a verifier it names exactly what was signed;
+  keeps design §2's bounds, and with a verifier it names exactly what was signed;
 - the session formats (`router.sessions.formats`): Starlette cookies and itsdangerous tokens,
   arbitrary and mutated, raise nothing but `FormatError` (and round-trip when valid); the
   cookie and Set-Cookie readers, JSON pointers and path patterns keep their documented
@@ -509,7 +509,7 @@ def listed_in_connection(headers: list[tuple[str, str]]) -> set[str]:
 
 
 def dropped(lower: str, listed: set[str], chunked: bool) -> bool:
-    """DESIGN §8: what a worker never gets from a client."""
+    """design §8: what a worker never gets from a client."""
     return (
         "_" in lower
         or lower in HOP_BY_HOP

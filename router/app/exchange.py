@@ -2,7 +2,7 @@
 
 This module owns what the handler learns of one request (its session, its decision, its
 outcome and status for the metrics) and the translation of what went wrong into the
-answers of DESIGN §1 and §3: the answer written and logged, a body that broke, a client
+answers of design §1 and §3: the answer written and logged, a body that broke, a client
 that left, a forward that failed. The handler's answers are written here, from
 `router.core.answers` (the public server answers a head it refuses itself). It never
 routes, never forwards and never waits: the flow is `router.app.handler`'s.
@@ -150,7 +150,7 @@ def body_timeout_answer(reason: str) -> Answer:
 
 
 def failure_answer(failure: UpstreamFailure, gone: bool, decision: Forward) -> Answer:
-    """DESIGN §3: before the reply head, a refused connect or a worker whose lease
+    """design §3: before the reply head, a refused connect or a worker whose lease
     is gone is 410 worker_exited; otherwise 502, or 504 on a timeout."""
     session = decision.session
     gone = gone or decision.worker.state in (WorkerState.EXITED, WorkerState.LOST)

@@ -1,4 +1,4 @@
-"""Configuration: the YAML file of DESIGN §5 turned into frozen dataclasses.
+"""Configuration: the YAML file of design §5 turned into frozen dataclasses.
 
 This package owns the file's shape, its defaults and every check on it. An
 unknown key, a wrong type or a bad value is a `ConfigError` that names the

@@ -39,7 +39,7 @@ class AdminConfig:
 
 @dataclass(frozen=True, slots=True)
 class ControlConfig:
-    """The control socket workers claim episodes on (DESIGN §3)."""
+    """The control socket workers claim episodes on (design §3)."""
 
     # A Unix socket authenticates workers by uid, with no secret to distribute.
     socket: str = "unix:/run/episode-router/control.sock"
@@ -146,7 +146,7 @@ class SignatureConfig:
 class TokenFormatConfig:
     """How a session header's value is read."""
 
-    # The episode token of DESIGN §2.
+    # The episode token of design §2.
     format: str = "jws"
     # The payload key holding the session id; only the itsdangerous format reads one.
     field: str | None = None
@@ -171,7 +171,7 @@ class CookieSourceConfig:
 
 @dataclass(frozen=True, slots=True)
 class McpSourceConfig:
-    """MCP Streamable HTTP protocol sessions (DESIGN §7)."""
+    """MCP Streamable HTTP protocol sessions (design §7)."""
 
     # The MCP SDKs' default endpoint.
     path: str = "/mcp"
@@ -217,7 +217,7 @@ class RouteConfig:
 
 @dataclass(frozen=True, slots=True)
 class SessionKindConfig:
-    """A kind of session and where its key comes from (DESIGN §4); exactly one source is set."""
+    """A kind of session and where its key comes from (design §4); exactly one source is set."""
 
     name: str
     header: str | None = None
@@ -229,7 +229,7 @@ class SessionKindConfig:
     # Kinds without seed or close routes rely on claims over the control socket.
     seed: RouteConfig | None = None
     close: RouteConfig | None = None
-    # An unknown key is an error the agent should see (DESIGN §1).
+    # An unknown key is an error the agent should see (design §1).
     unclaimed: str = "reject"
 
     @property
@@ -309,7 +309,7 @@ class LogConfig:
     level: str = "info"
 
 
-# The default session kind: episode tokens (DESIGN §2) in their standard header.
+# The default session kind: episode tokens (design §2) in their standard header.
 _EPISODE_KIND: Final = SessionKindConfig("episode", "X-NeMo-Gym-Episode-Token", TokenFormatConfig())
 
 

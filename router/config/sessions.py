@@ -1,4 +1,4 @@
-"""Session kinds (DESIGN §4): the `sessions` list, where each kind's key comes from, its routes.
+"""Session kinds (design §4): the `sessions` list, where each kind's key comes from, its routes.
 
 This module owns the parsing of each kind (one key source: header, cookie,
 mcp, body_field or path; the token or cookie format and its edge check; the
@@ -42,7 +42,7 @@ from router.config.secrets import (
 )
 
 _SESSION_NAME: Final = re.compile(r"[a-z0-9_]{1,32}")
-# RFC 9110 token characters without '_': the router drops such headers (DESIGN §8).
+# RFC 9110 token characters without '_': the router drops such headers (design §8).
 _HEADER_NAME: Final = re.compile(r"[!#$%&'*+.^`|~0-9A-Za-z-]{1,128}")
 _RESERVED_HEADERS: Final = frozenset(
     {"connection", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade"}

@@ -31,7 +31,7 @@ __all__ = ["CLOSE_DRAIN_S", "WRITE_BUFFER_HIGH", "AcceptingServer", "ControlConn
 
 log = logging.getLogger("episode_router.control")
 
-# Stop reading a connection with more than this many unsent reply bytes (DESIGN §3).
+# Stop reading a connection with more than this many unsent reply bytes (design §3).
 WRITE_BUFFER_HIGH = 1 << 20
 # A connection the router drops gets this long to send its last replies, then it is
 # aborted: a close waits for them for ever when the peer does not read.
@@ -87,7 +87,7 @@ class ControlConnection(asyncio.Protocol):
         server = self._server
         self.session = ControlSession(server.core, server.policy, peer_of(transport))
         # While more than WRITE_BUFFER_HIGH of replies is unsent, pause_writing stops
-        # reading this peer (DESIGN §3 backpressure).
+        # reading this peer (design §3 backpressure).
         self.transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
         self._arm_hello_deadline()
         server.connection_opened(self)

@@ -1,4 +1,4 @@
-"""The control protocol's refusals (DESIGN §3): what a refused claim, release or
+"""The control protocol's refusals (design §3): what a refused claim, release or
 sync entry is answered, and how many refusals one sync reply lists.
 
 This module owns the wording of a refusal (`claim_refused`, `not_holder`,

@@ -1,4 +1,4 @@
-"""The control protocol (DESIGN §3): one connection's session.
+"""The control protocol (design §3): one connection's session.
 
 `ControlSession` applies decoded requests to the `RouterCore` on behalf of the
 worker that said hello on this connection and returns the reply for each, and
@@ -55,7 +55,7 @@ class Peer:
 
 @dataclass(frozen=True, slots=True)
 class ControlPolicy:
-    """Who may say hello (DESIGN §3 'Who may say hello')."""
+    """Who may say hello (design §3 'Who may say hello')."""
 
     own_uid: int
     allowed_uids: frozenset[int]
@@ -68,7 +68,7 @@ class ControlPolicy:
 # -- the fast path for claim and release -------------------------------------------
 #
 # Nearly every line on a busy connection is a claim or a release, written compactly
-# in the field order DESIGN §3 shows (op, id, key[, kind]) or in the one router.client
+# in the field order design §3 shows (op, id, key[, kind]) or in the one router.client
 # sends (op, key, kind, id). `ControlSession.answer_claim_or_release` takes those with
 # one regex match instead of json.loads and the general checks, and writes an ok reply
 # from the id's own bytes instead of json.dumps. Any other line, and any line the

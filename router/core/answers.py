@@ -1,4 +1,4 @@
-"""The router's own answers (DESIGN §1): the one place that maps a code to a status.
+"""The router's own answers (design §1): the one place that maps a code to a status.
 
 Every answer the router writes itself is JSON
 `{"error": <code>, "detail": <one sentence>, "session": <key or null>}`.

@@ -1,6 +1,6 @@
 """The claim table: which worker holds which session key, and what became of ended ones.
 
-This module owns the rules of DESIGN §3 "one attempt, one worker": a key is held
+This module owns the rules of design §3 "one attempt, one worker": a key is held
 by at most one worker, and a key that ended or whose worker exited is remembered
 as a tombstone so that a stale token never resurrects it while the router
 remembers it.

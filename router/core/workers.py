@@ -1,6 +1,6 @@
 """The worker registry: who the workers are, their lease states, and balancing.
 
-A worker is known by its id. Its lease (DESIGN §3) moves through:
+A worker is known by its id. Its lease (design §3) moves through:
 
     live ──connection closed / silent──▶ lost ──grace over / connect refused──▶ exited
       ▲                                   │

@@ -4,7 +4,7 @@ Shared by the worker's plain HTTP endpoints (`router.demo`) and its MCP
 endpoint (`router.demo.mcp`). This module owns what an episode attempt is
 (EpisodeState: what its token must say, and a toy counter), the episodes a
 worker holds (HeldEpisodes: it mints each attempt's token, and checks the
-signature, `ep`, `att` and nonce of the token every call carries; DESIGN §2),
+signature, `ep`, `att` and nonce of the token every call carries; design §2),
 the refusal every demo endpoint answers with (DemoError, carrying its status
 and error code), the checks on a request's arguments, reading a request's JSON
 body, and the tools themselves (`add`, `get`, `echo`, `sleep`; `stream` is

@@ -3,7 +3,7 @@
 `POST /mcp` serves the demo's tools over MCP Streamable HTTP (the initialize
 handshake, stateless: no `Mcp-Session-Id`), so `episode-router demo` can be
 tried with an MCP client; every MCP request carries the episode token too, and
-is routed by it like any other call (DESIGN §7). It answers JSON, or SSE when
+is routed by it like any other call (design §7). It answers JSON, or SSE when
 the client accepts only SSE, or when a `stream` call asked for progress: its
 events then travel as `notifications/progress` ahead of the result.
 

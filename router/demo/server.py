@@ -1,7 +1,7 @@
 """The demo environment server: one worker process for `episode-router demo` and the e2e tests.
 
 It owns a toy episode store (a counter per episode) and the worker's half of the
-token contract (DESIGN §2, §3): it claims each episode over the control socket
+token contract (design §2, §3): it claims each episode over the control socket
 before it hands out the episode's token, and checks the signature, `ep`, `att`
 and nonce on every call. It must never serve a call for an episode it does not
 hold: an unknown episode is a 404 `unknown_episode` naming this worker, which is
@@ -15,7 +15,7 @@ the token in `X-NeMo-Gym-Episode-Token`. Refusals are JSON `{"error", "detail",
 `POST /mcp` serves the same tools over MCP Streamable HTTP (the initialize
 handshake, stateless: no `Mcp-Session-Id`), so `episode-router demo` can be
 tried with an MCP client; every MCP request carries the episode token too, and
-is routed by it like any other call (DESIGN §7). It answers JSON, or SSE when
+is routed by it like any other call (design §7). It answers JSON, or SSE when
 the client accepts only SSE, or when a `stream` call asked for progress: its
 events then travel as `notifications/progress` ahead of the result.
 

@@ -1,4 +1,4 @@
-"""Request framing the parser lets through but the router refuses (DESIGN §8).
+"""Request framing the parser lets through but the router refuses (design §8).
 
 aiohttp's parser already refuses the worst (CL with TE, repeated or odd
 Content-Length, bad syntax). What it accepts and a proxy must not pass on:

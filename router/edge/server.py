@@ -20,7 +20,7 @@ instructions per routed request, callgrind on bench.hotpath, compiled, two runs 
 - `router.edge.parsing.ParsingConnection`: llhttp's callbacks under the router's limits.
 
 It replaces aiohttp's server on the public port: the same rules at about a third of
-the CPU (see README "Performance"). It never decides where a request goes.
+the CPU (docs/performance.md). It never decides where a request goes.
 """
 
 from __future__ import annotations

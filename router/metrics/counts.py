@@ -1,4 +1,4 @@
-"""The metrics counted on every request and control op, kept as plain numbers (DESIGN §6).
+"""The metrics counted on every request and control op, kept as plain numbers (design §6).
 
 This module owns the request counter, the request and decision duration histograms
 and the control-op counter as plain ints and floats (`HotCollector`, `Histogram`),

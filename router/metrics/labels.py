@@ -1,4 +1,4 @@
-"""The label values the router's metrics may take (DESIGN §6), and the metric namespace.
+"""The label values the router's metrics may take (design §6), and the metric namespace.
 
 This module owns the fixed sets every label value comes from (session kinds aside,
 which the configuration names, and worker ids, which `router.metrics.registry` bounds): the
@@ -40,10 +40,10 @@ OTHER: Final = "other"  # any label value outside its fixed set
 FORWARDED: Final = "forwarded"
 CLIENT_CLOSED: Final = "client_closed"  # the client left before its reply head (499)
 STATUS_CLASSES: Final = ("1xx", "2xx", "3xx", "4xx", "5xx")
-# The control protocol's ops (DESIGN §3); any other op string is counted as "invalid".
+# The control protocol's ops (design §3); any other op string is counted as "invalid".
 CONTROL_OPS: Final = ("hello", "claim", "release", "sync", "drain", "bye", "ping")
 INVALID_OP: Final = "invalid"
-# "ok" and every error code a control reply can carry (DESIGN §3). This tuple is not
+# "ok" and every error code a control reply can carry (design §3). This tuple is not
 # Final: mypyc (setup.py) leaves a Final tuple built with * unset.
 CONTROL_RESULTS: tuple[str, ...] = (
     *("ok", "bad_request", "unknown_op", "no_hello", "unsupported_version", "forbidden"),

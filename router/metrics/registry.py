@@ -1,4 +1,4 @@
-"""Prometheus metrics for the admin listener's `GET /metrics` (DESIGN §6).
+"""Prometheus metrics for the admin listener's `GET /metrics` (design §6).
 
 This module owns the router's metrics registry and the event metrics in it:
 counters and histograms updated as things happen, by the request path and the

@@ -1,4 +1,4 @@
-"""The metrics read from the router's live state when Prometheus scrapes (DESIGN §6).
+"""The metrics read from the router's live state when Prometheus scrapes (design §6).
 
 This module owns the gauges and counters that show what the core already knows:
 claims by worker and kind, tombstones, workers by lease state and draining, requests

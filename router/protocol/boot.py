@@ -17,7 +17,7 @@ __all__ = ["BOOT_HEADER", "valid_boot"]
 
 BOOT_HEADER = "X-Episode-Router-Boot"
 
-# What a boot may be (DESIGN §3: 1-128 characters): visible ASCII, no spaces. It
+# What a boot may be (design §3: 1-128 characters): visible ASCII, no spaces. It
 # travels in BOOT_HEADER, and every HTTP stack must hand the worker the bytes the
 # router sent: one decodes a header as latin-1, another strips trailing spaces, and
 # a worker would then refuse its own episodes.

@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 1  # the `v` of a hello; another is refused `unsupported_version`
-MAX_LINE_BYTES = 1 << 20  # DESIGN §3: a line over 1 MiB closes the connection
+MAX_LINE_BYTES = 1 << 20  # design §3: a line over 1 MiB closes the connection
 MAX_KEY_CHARS = 512  # longer than any key a token or cookie can carry
 
 Reply = dict[str, Any]

@@ -1,4 +1,4 @@
-"""The forwarding contract: its types and the header rules of DESIGN §8.
+"""The forwarding contract: its types and the header rules of design §8.
 
 This module owns what every forwarding path shares: `Upstream` (where a worker
 listens), `ForwardTimeouts`, `UpstreamFailure` (a forward that failed before any
@@ -166,7 +166,7 @@ def request_headers_for_worker(
     extra: Mapping[str, str] = _NO_HEADERS,
     authority: str | None = None,
 ) -> CIMultiDict[str]:
-    """The header section a worker receives for a client's request (DESIGN §8).
+    """The header section a worker receives for a client's request (design §8).
 
     Drops hop-by-hop headers (and those Connection names), names containing `_`, and the
     headers the router owns; sets Host to the worker's address and the X-Forwarded-* set;
@@ -213,7 +213,7 @@ def reply_headers_for_client(
     private_origin: str,
     public_base: str | None,
 ) -> list[tuple[str, str]]:
-    """The header section a client receives for a worker's reply (DESIGN §1, §8).
+    """The header section a client receives for a worker's reply (design §1, §8).
 
     Drops hop-by-hop headers and those Connection names; rewrites a Location or
     Content-Location naming `private_origin` to `public_base` when one is given.

@@ -1,4 +1,4 @@
-"""The admin listener (DESIGN §6): health, readiness, and read-only views of the state.
+"""The admin listener (design §6): health, readiness, and read-only views of the state.
 
 Separate from the public port and on loopback by default. Boot ids are never
 shown. Reads the core; changes nothing but a worker's drain flag.

@@ -1,4 +1,4 @@
-"""The state journal (DESIGN §3 "Restart"): what a restarted router replays.
+"""The state journal (design §3 "Restart"): what a restarted router replays.
 
 With `state.path` set, every change the control plane makes to workers and
 claims is appended to the file as one JSON line, and replayed into a fresh

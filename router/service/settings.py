@@ -27,7 +27,7 @@ from router.sessions import SessionKind, kind_from_config
 
 log = logging.getLogger("episode_router")
 
-# DESIGN §3: the longest a worker keeping the protocol may stay silent on its connection.
+# design §3: the longest a worker keeping the protocol may stay silent on its connection.
 WORKER_SILENCE_MAX_S = 5.0
 
 

@@ -1,7 +1,7 @@
 """Spawn mode's plan: which workers to start, with which command and environment, and when
 to restart them.
 
-This module owns the pure half of the `spawn:` configuration (DESIGN §3
+This module owns the pure half of the `spawn:` configuration (design §3
 "Restart", §5): the validated SpawnSpec, the workers it describes, the argument
 vector rendered from the operator's command template, each child's environment,
 and the restart backoff. `router.service.spawner.Spawner` runs the processes from it.

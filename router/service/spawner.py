@@ -1,6 +1,6 @@
 """Spawn mode: the worker processes the router starts, restarts and stops itself.
 
-This module owns the `spawn:` configuration at run time (DESIGN §3 "Restart",
+This module owns the `spawn:` configuration at run time (design §3 "Restart",
 §5): it turns the operator's command template into one argument vector per
 worker, starts each worker in a session and process group of its own (so a
 signal aimed at the router's group misses it, and it can outlive a router

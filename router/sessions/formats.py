@@ -188,7 +188,7 @@ def _check_timestamp_signature(value: str, signature: SignatureConfig, now: floa
     # itsdangerous' own rule, with an injected clock: whole seconds, and never from the future.
     age = int(now) - int(signed_at.timestamp())
     # A genuine signature on a cookie out of its time is no forgery: 401 invalid_token,
-    # as an expired episode token is (DESIGN §1: malformed, wrong types, expired).
+    # as an expired episode token is (design §1: malformed, wrong types, expired).
     if age > signature.max_age_s:
         raise _invalid(f"The session cookie expired: signed {age} s ago.")
     if age < 0:

@@ -4,7 +4,7 @@ A seed route's 2xx reply teaches the router the session it created (from
 Set-Cookie, a reply header, or a JSON pointer into a small body); a close
 route's 2xx reply ends one; every reply on the MCP path that carries
 `Mcp-Session-Id` teaches that session, and a 2xx answer to DELETE there ends
-it (DESIGN §4, §7).
+it (design §4, §7).
 
 `plan_learning` decides, from the request alone, whether a reply needs
 watching at all, so requests that cannot teach anything (every episode-token
@@ -188,7 +188,7 @@ class ReplyLearner:
             return
         refusal = self._core.learn(self._worker, kind.name, key, self._clock())
         if refusal is not None:
-            # DESIGN §4: a learned key another worker holds is not learned: counted, logged.
+            # design §4: a learned key another worker holds is not learned: counted, logged.
             log.warning(
                 "learned claim refused",
                 extra={

@@ -1,4 +1,4 @@
-"""Session kinds: which session a request names (DESIGN §4).
+"""Session kinds: which session a request names (design §4).
 
 `SessionReader` reads the sources in the contract's fixed order, and within
 each source in the configured order:

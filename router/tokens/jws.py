@@ -1,4 +1,4 @@
-"""The episode token: a compact JWS naming one attempt of one episode (DESIGN §2).
+"""The episode token: a compact JWS naming one attempt of one episode (design §2).
 
 This module owns the token's wire format: strict structural parsing, signature
 verification with the edge key, and minting for workers. It is pure: it must
@@ -45,9 +45,9 @@ from router.tokens.keys import MIN_HS256_SECRET_BYTES as MIN_HS256_SECRET_BYTES
 from router.tokens.keys import SigningKey as SigningKey
 from router.tokens.keys import TokenVerifier as TokenVerifier
 
-MAX_TOKEN_BYTES: Final = 4096  # DESIGN §2 ("at most 4 KiB"); bounds the cost of every parse
-MAX_EP_CHARS: Final = 128  # DESIGN §2: keeps episode keys short in the claim table and logs
-MAX_ATT: Final = 1_000_000  # DESIGN §2: far beyond any real retry count
+MAX_TOKEN_BYTES: Final = 4096  # design §2 ("at most 4 KiB"); bounds the cost of every parse
+MAX_EP_CHARS: Final = 128  # design §2: keeps episode keys short in the claim table and logs
+MAX_ATT: Final = 1_000_000  # design §2: far beyond any real retry count
 MAX_NONCE_CHARS: Final = 256  # a 128-bit nonce needs 22 characters; 256 leaves room for any scheme
 
 _B64 = "[A-Za-z0-9_-]"

@@ -1,4 +1,4 @@
-"""The episode token's keys (DESIGN §2): the edge's `TokenVerifier` and a worker's `SigningKey`.
+"""The episode token's keys (design §2): the edge's `TokenVerifier` and a worker's `SigningKey`.
 
 This module owns the signing algorithms (HS256, EdDSA, ES256), loading and
 checking key material (secret length, PEM key type, curve), signing, and

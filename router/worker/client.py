@@ -1,4 +1,4 @@
-"""The worker side of the control socket (DESIGN §3).
+"""The worker side of the control socket (design §3).
 
 This module owns a worker's half of the control protocol: the hello, claims and
 releases, a ping whenever the connection is idle, reconnects with the same boot,
@@ -82,7 +82,7 @@ __all__ = [
 
 log = logging.getLogger("router.client")  # the name workers configure; kept across moves
 
-# The router declares a peer silent after 5 s without a line (DESIGN §3).
+# The router declares a peer silent after 5 s without a line (design §3).
 MAX_PING_INTERVAL_S = 5.0
 # First reconnect delay; doubles up to `reconnect_max_s`.
 RECONNECT_START_S = 0.05

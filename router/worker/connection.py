@@ -1,4 +1,4 @@
-"""One control connection of a worker's client (DESIGN §3): its socket and its two tasks.
+"""One control connection of a worker's client (design §3): its socket and its two tasks.
 
 This module owns the I/O of a single connection to the router: opening it
 (`unix:` or `tcp://`, with a timeout), writing request lines, reading reply

@@ -1,4 +1,4 @@
-"""The requests a worker's control client has in flight (DESIGN §3), and the error calls raise.
+"""The requests a worker's control client has in flight (design §3), and the error calls raise.
 
 This module owns `ControlError` and the book of requests: it gives each request
 a fresh id and its line, matches every reply to its request by id, keeps a

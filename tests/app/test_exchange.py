@@ -1,4 +1,4 @@
-"""Which answer a failed forward gets (DESIGN §3), pure: no request, no event loop."""
+"""Which answer a failed forward gets (design §3), pure: no request, no event loop."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ body) and answers with scripted bytes, so a test can state exactly what reached 
 or that nothing did (no connection was ever made), and can send replies no HTTP library
 would write (an invalid head, a 101, interim 1xx replies).
 
-Each test asserts the contract of DESIGN §1, §3 and §8 and the README's "The answers" and
-"HTTP handling": the status, the router's JSON answer code, whether the client connection
+Each test asserts the contract of design §1, §3 and §8 (the answers table and HTTP
+hygiene): the status, the router's JSON answer code, whether the client connection
 was closed or kept, and what the worker saw. Where the router departs from the contract
 the test is a strict xfail naming the cause.
 """
@@ -221,7 +221,7 @@ class Received:
         return cls(int(lines[0].split(" ")[1]), headers, after[:length], after[length:])
 
     def assert_answer(self, status: int, code: str, session: str | None) -> None:
-        """The router's own JSON answer (DESIGN §1), and nothing after it."""
+        """The router's own JSON answer (design §1), and nothing after it."""
         assert self.status == status, (self.status, self.body)
         assert self.headers["content-type"] == "application/json"
         body = json.loads(self.body)

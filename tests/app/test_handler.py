@@ -1,5 +1,5 @@
-"""The public handler through a real RouterService: every row of the answers table (DESIGN §1),
-HTTP hygiene end to end (DESIGN §8) and streaming, on loopback and Unix sockets.
+"""The public handler through a real RouterService: every row of the answers table (design §1),
+HTTP hygiene end to end (design §8) and streaming, on loopback and Unix sockets.
 
 Workers are `EchoWorker`s registered over the control socket; the router runs in
 this process, so its memory is this process's memory.
@@ -557,7 +557,7 @@ async def test_a_body_over_the_limit_is_413_by_its_content_length(rig: Rig, tmp_
     assert worker.paths_seen() == ["/small"]
 
 
-# --- HTTP hygiene (DESIGN §8) -----------------------------------------------------------------
+# --- HTTP hygiene (design §8) -----------------------------------------------------------------
 
 
 async def test_hop_by_hop_and_router_owned_headers_are_dropped_end_to_end(rig: Rig) -> None:

@@ -1,4 +1,4 @@
-"""Session routing for servers we cannot change, through a real RouterService (DESIGN §4, §7).
+"""Session routing for servers we cannot change, through a real RouterService (design §4, §7).
 
 The workers here are unmodified servers: static `workers:` that never speak on the control
 socket. Each `GymWorker` is a small aiohttp app on a loopback port that behaves as a NeMo
@@ -63,7 +63,8 @@ SIGNED_AT = int(time.time())  # every cookie's timestamp: fresh, and the same ac
 # making a worker unhealthy (which would change where seeds are balanced).
 FAST_PROBES = HealthConfig(path="/health", interval_s=0.05, timeout_s=2.0, failures=2)
 
-# The README's worked example (NeMo Gym behind the router), with the rollout kinds added.
+# The worked example of docs/guides/unmodified-servers.md (NeMo Gym behind the router), with
+# the rollout kinds added.
 SESSIONS_YAML = """
 sessions:
   - name: episode
@@ -610,7 +611,7 @@ async def test_an_mcp_delete_that_also_carries_the_episode_token_releases_the_se
 async def test_a_close_that_also_carries_the_episode_token_ends_the_cookie_session(
     rig: Rig,
 ) -> None:
-    # The token routes the close (DESIGN §7: it travels on every request); the cookie
+    # The token routes the close (design §7: it travels on every request); the cookie
     # beside it names the session the close ends, with the MCP token its seed taught.
     await start(rig, 1, kinds("episode", "resources", "mcp_token"))
     worker = rig.router.core.workers.get("w0")

@@ -1,5 +1,5 @@
 """The control plane against peers that push its limits, through a real RouterService and
-the bundled `ControlClient` on a real Unix socket (DESIGN §3).
+the bundled `ControlClient` on a real Unix socket (design §3).
 
 Each test names the bound it checks: a reply line never over 1 MiB, and a client
 that still converges when the router cannot list every refusal in one line.

@@ -1,4 +1,4 @@
-"""The control socket under abuse, while the public port keeps serving (DESIGN §3).
+"""The control socket under abuse, while the public port keeps serving (design §3).
 
 A whole `RouterService` runs in this process: its control socket under tmp_path, its
 public and admin listeners on loopback, one well-behaved worker. Against it: thousands of

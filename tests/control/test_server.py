@@ -1,4 +1,4 @@
-"""The control socket's I/O (DESIGN §3) on a real Unix socket under tmp_path and on loopback TCP.
+"""The control socket's I/O (design §3) on a real Unix socket under tmp_path and on loopback TCP.
 
 Each test runs a `ControlServer` over its own `RouterCore` and `ControlPolicy`,
 so who may say hello can be changed freely, and talks to it with `RawLease`
@@ -265,7 +265,7 @@ async def test_pipelined_lines_of_every_shape_are_answered_in_order(tmp_path: Pa
         lease = await RawLease.open(control.address)
         assert (await _hello(lease))["ok"] is True
         lines = [
-            b'{"op":"claim","id":2,"key":"ep1"}',  # the fast path, in DESIGN's order
+            b'{"op":"claim","id":2,"key":"ep1"}',  # the fast path, in design §3's order
             b'{"op":"claim","key":"ep2","kind":"episode","id":"c"}',  # in router.client's
             b'{"op": "claim", "id": 4, "key": "ep3"}',  # the general path
             b"",

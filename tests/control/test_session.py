@@ -947,7 +947,7 @@ class Twins:
 @pytest.mark.parametrize(
     "line",
     [
-        b'{"op":"claim","id":7,"key":"ep9-a0"}',  # DESIGN's order, the default kind
+        b'{"op":"claim","id":7,"key":"ep9-a0"}',  # design §3's order, the default kind
         b'{"op":"claim","id":7,"key":"ep9-a0","kind":"open"}',
         b'{"op":"release","id":7,"key":"ep9-a0","kind":"episode"}',
         b'{"op":"claim","key":"ep9-a0","kind":"episode","id":7}',  # router.client's order

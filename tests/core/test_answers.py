@@ -8,7 +8,7 @@ import pytest
 
 from router.core.answers import AUTH_SCHEME, STATUS_BY_CODE, Answer, render
 
-# DESIGN §1, plus the hygiene answers of §8, the shutdown answer and the silent body's.
+# design §1, plus the hygiene answers of §8, the shutdown answer and the silent body's.
 CONTRACT = {
     "worker_exited": 410,
     "episode_ended": 410,

@@ -667,7 +667,7 @@ async def until_gone(http: Http, base_url: str, episode: Episode, within_s: floa
 
 
 def assert_router_answer(reply: Reply, status: int, error: str, session: str | None) -> None:
-    """`reply` is the router's own JSON answer (DESIGN §1), not a worker's."""
+    """`reply` is the router's own JSON answer (design §1), not a worker's."""
     assert reply.status == status, str(reply)
     assert reply.headers.get("Content-Type", "").startswith("application/json"), reply.headers
     body = reply.json()

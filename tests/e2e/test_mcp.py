@@ -15,7 +15,7 @@ connection, so each could land on any worker.
 - Streaming: SSE events reach the client as the worker sends them; a stream
   outlives the idle timeout while events flow and is cut when they stop; a
   client that leaves mid-stream frees the worker's request.
-- `episode-router demo`, tried with the SDK client as the README shows.
+- `episode-router demo`, tried with the SDK client as docs/guides/mcp.md shows.
 
 With E2E_MCP_NO_ROUTING=1 the workers claim nothing and the router reads no
 episode token (its config has no episode kind), so every MCP request is
@@ -561,7 +561,7 @@ async def test_the_token_and_the_session_id_name_the_same_worker(
 async def test_delete_carrying_the_token_releases_the_session_too(
     stateful_router: Router, http: Http
 ) -> None:
-    # The token routes the DELETE (it decides, DESIGN §4); the session id it carries ends.
+    # The token routes the DELETE (it decides, design §4); the session id it carries ends.
     router = stateful_router
     url = router.base_url + MCP_PATH
     started = await start_episode(http, router, "tok-delete")
@@ -704,7 +704,7 @@ async def test_a_client_that_leaves_mid_stream_frees_the_worker(
 async def test_the_demo_serves_its_tools_over_mcp_through_the_router(
     launcher: Launcher, http: Http, tmp_path: Path
 ) -> None:
-    """`episode-router demo`, tried as the README shows: the SDK client with the token."""
+    """`episode-router demo`, tried as docs/guides/mcp.md shows: the SDK client with the token."""
     port, admin_port, base_port = free_port(), free_port(), free_port_range(2)
     demo = launcher.start(
         "demo",

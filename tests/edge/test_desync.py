@@ -1,4 +1,4 @@
-"""The public listener against http-desync-guardian's request-classification corpus (DESIGN §8).
+"""The public listener against http-desync-guardian's request-classification corpus (design §8).
 
 Every case of the corpus's YAML files is sent, as raw bytes on a new connection, to a
 router in this process with one echo worker, and what happened is judged by the case's
@@ -67,7 +67,7 @@ CHUNKED_BODY = b"5\r\nhello\r\n0\r\n\r\n"
 MAX_CASE_BODY = 8 << 20  # a Content-Length above this is never sent (one case says 2**64)
 SETTLE_S = 0.1  # how long a closed worker connection may take to leave the kernel's table
 
-# DESIGN §8: what the router never passes on from a client's request.
+# design §8: what the router never passes on from a client's request.
 HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade"}
 )
@@ -279,7 +279,7 @@ def router_code_of_bodyless(headers: dict[str, str], status: int | None) -> str 
 
 
 def router_code(headers: dict[str, str], body: bytes) -> str | None:
-    """The code of the router's own JSON answer (DESIGN §1), None for a worker's reply."""
+    """The code of the router's own JSON answer (design §1), None for a worker's reply."""
     if headers.get("content-type") != "application/json":
         return None
     try:
@@ -395,7 +395,7 @@ def connection_named(headers: Iterable[tuple[str, str]]) -> frozenset[str]:
 
 
 def passed_on(name: str, named: frozenset[str]) -> bool:
-    """Whether DESIGN §8 lets a client's header reach the worker as the client sent it."""
+    """Whether design §8 lets a client's header reach the worker as the client sent it."""
     lower = name.lower()
     return not (
         "_" in lower
@@ -474,7 +474,7 @@ _NOT_A_TOKEN = "a field name must be a token (RFC 9110 §5.1); the strict parser
 _CTL_IN_VALUE = "RFC 9110 §5.5: a CTL makes a field value invalid, and rejecting it is allowed"
 _ONLY_CHUNKED = (
     "repeated Transfer-Encoding lines are refused, not merged, and their codings other than"
-    " chunked are ones the router cannot decode (DESIGN §8: unknown TE is a 400)"
+    " chunked are ones the router cannot decode (design §8: unknown TE is a 400)"
 )
 _PLAIN_CHUNKED_ONLY = (
     "like nginx, only `Transfer-Encoding: chunked` is accepted: the parser undoes the chunking"
@@ -489,7 +489,7 @@ _REFRAMED = (
     " (its own chunked or Content-Length framing), so its pooled connection stays in step"
 )
 _DROPPED = (
-    "a name with `_` is dropped (DESIGN §8), the body is framed by the real headers alone,"
+    "a name with `_` is dropped (design §8), the body is framed by the real headers alone,"
     " so nothing behind the router reads the look-alike as framing"
 )
 
@@ -673,7 +673,7 @@ _CHUNKED_OVER_LIMIT = (
 
 
 async def test_a_chunked_body_over_the_body_limit_is_refused(tmp_path: Path) -> None:
-    """Not a corpus case: DESIGN §8's body limit, for the framing the corpus leans on most."""
+    """Not a corpus case: design §8's body limit, for the framing the corpus leans on most."""
     async with open_rig(tmp_path) as rig:
         limits = dataclasses.replace(LimitsConfig(), max_body_bytes=10)
         await rig.start_router(router_config(tmp_path, limits=limits))

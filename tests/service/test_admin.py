@@ -1,4 +1,4 @@
-"""The admin listener (DESIGN §6) of a real RouterService: health, readiness, the workers and
+"""The admin listener (design §6) of a real RouterService: health, readiness, the workers and
 sessions views, drain, and the bearer token off loopback.
 """
 

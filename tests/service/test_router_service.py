@@ -1,5 +1,5 @@
 """RouterService: start and stop (SIGTERM semantics), and the lease rules it wires together
-(DESIGN §3 "Leases, exits and in-flight requests"), on real sockets.
+(design §3 "Leases, exits and in-flight requests"), on real sockets.
 
 Leases are `RawLease`s, so each test decides exactly when a worker speaks, goes
 silent or breaks off; the worker's HTTP side stays up unless the test closes it.

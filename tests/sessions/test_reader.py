@@ -1,4 +1,4 @@
-"""Pure tests for router.sessions.reader: which session a request names (DESIGN §4).
+"""Pure tests for router.sessions.reader: which session a request names (design §4).
 
 Every kind is built as the service builds it, `kind_from_config(SessionKindConfig(...))`,
 and every value is minted as the server that owns it mints it: episode tokens with the

@@ -2,7 +2,7 @@
 
 The pure protocol helpers are tested without an event loop. The client runs
 against `ScriptedRouter` (tests/scripted_router.py), the router's side of the
-control contract (DESIGN §3); tests drive it (drop connections, restart it with
+control contract (design §3); tests drive it (drop connections, restart it with
 a new router id, make it go silent) and assert what crossed the wire. Every
 hello, the first one included, is followed by a sync of what the worker holds.
 """
