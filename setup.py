@@ -2,8 +2,8 @@
 
 The modules a forwarded request runs through are plain, strictly typed Python
 (`mypy --strict` checks them). mypyc, mypy's compiler, turns them into C extensions
-with the same behaviour, which takes the router's CPU per forwarded request from
-39.2-41.7 to about 25-26 µs (`python -m bench.hotpath`, one process, same machine).
+with the same behaviour, at a lower CPU cost per forwarded request (measured:
+docs/performance.md, "The hot path's trims").
 
 The extensions are all or nothing, and optional: where mypyc or a C compiler is
 missing, or fails, or with EPISODE_ROUTER_PURE_PYTHON=1 in the environment, the
@@ -18,13 +18,11 @@ are: it compiles the extensions instrumented, forwards 40,000 requests through t
 loopback (`bench.hotpath`, a few seconds), and compiles them again with what that run
 counted, so gcc lays the forwarding path out together and moves what it never ran
 out of its way. mypyc's output is large (about 1.8 MB of code) and a request that
-arrives after a wait finds little of it in the CPU's caches: one request at a time,
-the router's user CPU per request went from 44.5 to 37.3 us and its added latency
-(p50) from 118.5 to 102.9 us (medians of 16 interleaved serial runs of both builds,
-`bench.run`'s serial measurement); under load, from 20.2-20.3 to 18.8-19.0 us
-(`bench.hotpath`). EPISODE_ROUTER_PGO=0 skips it (an install then takes about a
-minute less); any step that fails (the instrumented compile, the training run, the
-compile with the profile) falls back to the plain build, and says so.
+arrives after a wait finds little of it in the CPU's caches: laid out so, the router
+spends less user CPU per request and adds less latency, one request at a time and
+under load (docs/performance.md). EPISODE_ROUTER_PGO=0 skips it (an install then
+takes about a minute less); any step that fails (the instrumented compile, the
+training run, the compile with the profile) falls back to the plain build, and says so.
 """
 
 from __future__ import annotations
@@ -45,10 +43,10 @@ from setuptools.command.build_ext import build_ext
 # worker's and back, with the decision in between. Not compiled: router/tokens/jws.py (its
 # checks of a decoded token's JSON types are what refuses a hostile token, and compiled
 # code would raise TypeError at the annotation instead), the session formats other than
-# the default token and where their values sit (router/sessions/formats.py, router/sessions/sources.py),
-# the streamed reply, the metrics read from the live state (router/metrics/state.py: a
-# scrape runs it, never a request), and everything off the hot path (config, control
-# plane, admin, CLI), which gain little from it.
+# the default token and where their values sit (router/sessions/formats.py,
+# router/sessions/sources.py), the streamed reply, the metrics read from the live state
+# (router/metrics/state.py: a scrape runs it, never a request), and everything off the
+# hot path (config, control plane, admin, CLI), which gain little from it.
 COMPILED_MODULES = [
     "router/core/answers.py",
     "router/app/handler.py",

@@ -21,8 +21,7 @@ __all__ = ["MAX_KEPT_DESTINATIONS", "Destination", "destination", "public_base"]
 class Destination:
     """Where the forwards to one worker go and the headers the router adds (its boot),
     kept while the worker's address and boot stay. Built per request, `destination`
-    took ~1,300 instructions (its Upstream's release included); kept, ~650 (callgrind
-    on bench.hotpath, compiled)."""
+    cost more, its Upstream's release included."""
 
     __slots__ = ("boot", "extra", "upstream", "url")
 
@@ -60,8 +59,7 @@ class _LastBase:
 
 
 # The same Host request after request (see router.edge.head_text's host_text): the last origin
-# is reused, instead of formatted again (destination: 590 -> 280 instructions a
-# request, callgrind on bench.hotpath, compiled).
+# is reused, instead of formatted again.
 _LAST_BASE: Final = _LastBase()
 
 

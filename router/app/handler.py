@@ -35,8 +35,7 @@ access_log = logging.getLogger("episode_router.access")
 
 MAX_SESSIONLESS_TRIES: Final = 3  # a sessionless request nothing of which reached a worker
 # A Final name: the compiled build keeps it in a C variable, where an imported name is
-# looked up in the module's dict at each call (~130 instructions, three times a
-# request; callgrind on bench.hotpath, compiled).
+# looked up in the module's dict at each call (three times a request).
 _perf_counter: Final = time.perf_counter
 
 
@@ -131,7 +130,7 @@ class PublicHandler(ExchangeOwner):
             return None
         exchange.found = found
         # Not a conditional tuple unpacked: the compiled build iterates that one as an
-        # object (~430 instructions, callgrind on bench.hotpath).
+        # object.
         kind: str | None = None
         key: str | None = None
         if found is not None:
@@ -146,8 +145,7 @@ class PublicHandler(ExchangeOwner):
         if self.metrics is not None:
             # Observed when the request ends or its forward coroutine begins
             # (_decision_observed), not here: the histogram is then off the path to the
-            # worker's write (~800 instructions, callgrind on the router serving serial
-            # requests).
+            # worker's write.
             exchange.decided = _perf_counter()
         if isinstance(decision, Answer):
             self._answer(exchange, decision)

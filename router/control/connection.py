@@ -114,8 +114,8 @@ class ControlConnection(asyncio.Protocol):
             room = WRITE_BUFFER_HIGH - transport.get_write_buffer_size()
             # The journal lines of every request answered here go out in one write,
             # before any of their replies: a claim is acknowledged only once written.
-            # With state.path set: 49,000 -> 58,000 pairs/s over one pipelined
-            # connection (bench.micro's control client, 4 runs each).
+            # With state.path set, that carries more claim+release pairs a second over
+            # one pipelined connection (docs/performance.md).
             journal.hold()
             try:
                 replies, used, too_long = self._answer_lines(lines, room)

@@ -4,8 +4,9 @@
 worker that said hello on this connection and returns the reply for each, and
 `ControlSession.answer_claim_or_release` answers the commonest lines without
 decoding them into a dict. It never reads a socket or a clock: the server in
-`control_server` does the I/O. The line codec and the url checks are in
-`control_codec`, the wording and budget of refusals in `control_refusals`.
+`router.control.server` and `router.control.connection` do the I/O. The line codec is
+`router.protocol.control`, the address grammar `router.protocol.addresses`, the wording
+and budget of refusals `router.control.refusals`.
 
 Malformed input is answered, never raised: a bad line gets `bad_request`, an
 unknown op `unknown_op`, and the connection goes on.
@@ -125,9 +126,9 @@ class ControlSession:
         two usual shapes, or this connection holds no live lease, or the kind is not
         configured: the caller then takes the general path.
         """
-        # `python -m bench.micro --only control` (claim+release pairs over one
-        # pipelined connection, 2 cores, 3 runs each): 54,000-57,000 pairs/s with
-        # every line on the general path, 131,000-140,000 with this one.
+        # Far more claim+release pairs a second over one pipelined connection than with
+        # every line on the general path (measured: docs/performance.md, "The hot
+        # path's trims").
         match = _ID_FIRST.fullmatch(line)
         if match is not None:
             op, raw_id, raw_key, raw_kind = match.groups()

@@ -27,7 +27,7 @@ class ClaimState(enum.Enum):
 
 
 # Module globals for the states the hot paths test: reading `ClaimState.HELD` goes
-# through the enum's class machinery and costs 75 ns on Python 3.11, a global 11 ns.
+# through the enum's class machinery, and costs several times what reading a global does.
 _HELD = ClaimState.HELD
 _ENDED = ClaimState.ENDED
 _EXITED = ClaimState.EXITED
@@ -96,8 +96,8 @@ class _HeldIndex:
     and an ended claim outlives its tombstone only until that pass.
 
     A list costs 8 bytes per claim where a set of claims cost 34. The price is
-    the pass: 12 ms once a worker holding 250,000 claims has released half of
-    them (a full gc.collect() over 1,000,000 claims takes ~170 ms).
+    the pass, which holds the loop while it runs (how long, beside a full
+    gc.collect(): docs/performance.md).
     """
 
     __slots__ = ("by_kind", "claims", "count")
@@ -106,7 +106,7 @@ class _HeldIndex:
         self.claims: list[Claim] = []
         self.count = 0
         # Held claims per kind, kept as they change: the metrics read them at every
-        # scrape, and counting a million claims there stalled the loop ~70 ms.
+        # scrape, and counting a million claims there stalled the loop.
         self.by_kind: dict[str, int] = {}
 
     def add(self, claim: Claim) -> None:
@@ -153,13 +153,11 @@ class ClaimTable:
     after they were made, and the oldest go first once there are more than
     `max_tombstones` of them.
 
-    Memory (`bench.micro`, 1,000,000 held claims with 22-character keys, each
-    its own `now`): 233-235 bytes per claim, key included, where the layout
-    before this one (eight-slot records, a set of claims per worker) took 273.
-    What is left: the key 80, the record 80, its `now` float 32, the dict entry
-    31, the per-worker list 8, allocator slack. A learned claim takes 250 (317
-    before), a tombstone 232 (312 before: the tombstone queue held a
-    (time, claim) tuple per entry; it now reads the claim's `since`).
+    Memory per claim (`bench.micro`; figures in docs/performance.md): the key, the
+    six-slot record, its `now` float, the dict entry and the per-worker list entry,
+    less than the layout before this one (eight-slot records, a set of claims per
+    worker). A tombstone reads the claim's `since` rather than holding a (time,
+    claim) tuple in the tombstone queue.
     """
 
     def __init__(self, *, tombstone_ttl_s: float, max_tombstones: int) -> None:

@@ -61,9 +61,9 @@ def content_length_number(value: bytes) -> int:
     let through only digits, with any whitespace around them outside its span).
 
     Digit by digit for the usual value: `int()` on bytes is a generic call from the
-    compiled build, about 800 instructions; this loop is about 140 for a short length
-    (callgrind on bench.hotpath, compiled). Anything but plain digits goes to `int()`,
-    so the result, and the error for a value that is no number, are the same.
+    compiled build, and this loop costs much less for a short length (measured:
+    docs/performance.md, "The hot path's trims"). Anything but plain digits goes to
+    `int()`, so the result, and the error for a value that is no number, are the same.
     """
     if not value or len(value) > _DIGITS_DONE_BY_HAND:
         return int(value)

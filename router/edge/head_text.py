@@ -19,8 +19,7 @@ __all__ = ["HTTP_11", "host_text", "method_text", "target_of", "version_of"]
 HTTP_11: Final = (1, 1)
 
 # The usual versions and methods, looked up instead of parsed and decoded per request
-# (part of 270,700 -> 251,500 instructions per routed request, callgrind on
-# bench.hotpath, with the other trims of that change).
+# (measured with the other trims of that change: docs/performance.md).
 _VERSIONS: Final = {"1.1": (1, 1), "1.0": (1, 0)}
 _METHODS: Final = {
     m.encode(): m for m in ("GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH")
@@ -48,9 +47,8 @@ class _LastRead:
 
 # Clients send the same Host, and mostly the same method and target, request after
 # request: the last one's text is reused when the bytes are the same, instead of
-# decoding them (or looking the bytes up by hash). Instructions, callgrind on
-# bench.hotpath, compiled: on_header 1,540 -> 1,150 (Host); on_headers_complete
-# 2,820 -> 1,900 (method, target).
+# decoding them (or looking the bytes up by hash), which cost more in on_header (Host)
+# and on_headers_complete (method, target).
 _LAST_HOST: Final = _LastRead()
 _LAST_METHOD: Final = _LastRead(b"POST", "POST")
 _LAST_TARGET: Final = _LastRead()

@@ -83,11 +83,10 @@ class ParsingConnection(ServingConnection):
         self._parser = HttpRequestParser(self)
         # The parser's methods called per request, kept bound (the transport's too, in
         # router.edge.server's connection_made): the compiled build calls a bound method
-        # directly, where a call by name looks the method up each time. With the same in
-        # router.relay.connection and relay_parser, lists for deques (router.edge.serving),
-        # the lane's objects (router.relay.lane.LaneDone) and the usual header spellings
-        # (on_header), instructions per routed request went 86,800 -> 81,100 (callgrind
-        # on bench.hotpath, compiled).
+        # directly, where a call by name looks the method up each time. Measured together
+        # with the same in router.relay.connection and router.relay.reply_parser, lists for deques
+        # (router.edge.serving), the lane's objects (router.relay.lane.LaneDone) and the
+        # usual header spellings (on_header): docs/performance.md.
         self._feed_data = self._parser.feed_data
         self._keeps_alive = self._parser.should_keep_alive
         self._method_of = self._parser.get_method
@@ -140,10 +139,8 @@ class ParsingConnection(ServingConnection):
             self._parse_failed(HeadRefusal.FIELD_TOO_LONG, "a header field is over the limit")
 
     # No on_message_begin: a head begins with its target's first bytes (on_url), and
-    # data_received starts the head's clock for the bytes before them. The callback
-    # cost ~1,300 instructions a request; with its work moved into on_url, ~900 were
-    # saved (callgrind on bench.hotpath, compiled: with content_length_number, 80,570
-    # -> 78,064).
+    # data_received starts the head's clock for the bytes before them. A callback per
+    # request cost more than its work does moved into on_url.
 
     def _note_head_start(self) -> None:
         # The headers the edge itself reads, noted as they arrive (the first of each; any
@@ -197,8 +194,7 @@ class ParsingConnection(ServingConnection):
         self._headers.append((name, value))
         # Their lengths rule most names out without a lower(), and the usual spellings
         # of Host and Content-Length are compared first: a lower() is a call by name and
-        # a new object: on_header went 2,740 -> 1,890 instructions for bench.hotpath's
-        # four headers (callgrind, compiled).
+        # a new object.
         size = len(name)
         if size == 4:
             if name == b"Host" or name == b"host" or name.lower() == b"host":
@@ -258,9 +254,8 @@ class ParsingConnection(ServingConnection):
         if keep_alive and not self._connection_seen:
             # Only HTTP/1.1 is kept alive with no Connection header (llhttp takes 0.9,
             # 1.0, 1.1 and 2.0), so the version is known without asking llhttp for its
-            # text. With router.app.handler's clock read as time.perf_counter (not through the
-            # time module), instructions per routed request (callgrind on
-            # bench.hotpath, compiled): 95,000 -> 91,700.
+            # text (measured with router.app.handler's clock read as
+            # time.perf_counter, not through the time module: docs/performance.md).
             version = HTTP_11
         else:
             version = version_of(parser.get_http_version())

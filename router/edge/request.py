@@ -140,8 +140,7 @@ class RequestBody:
 class ClientLost:
     """What a request's `on_client_lost` holds: told once (`client_lost()`) if the client
     connection closes while the request is handled. An object, not a callable: the
-    compiled build calls it directly, and no bound method is made per request (~320
-    instructions, callgrind on bench.hotpath, compiled)."""
+    compiled build calls it directly, and no bound method is made per request."""
 
     __slots__ = ()
 
@@ -279,14 +278,13 @@ class PublicRequest:
         self.target = target
         self.version = version
         # HTTP/1.1 or later: chunked replies and persistent connections by default.
-        # Worked out once, by its numbers: a property comparing the tuples cost ~760
-        # instructions a read (callgrind on bench.hotpath, compiled).
+        # Worked out once, by its numbers: a property comparing the tuples cost more, at
+        # every read.
         self.version_11 = version[0] > 1 or (version[0] == 1 and version[1] >= 1)
         # The (name, value) pairs in the order they came, as the bytes llhttp gave: what
-        # the worker's head is built from with no decode and encode of each header
-        # (instructions per routed request, callgrind on bench.hotpath, compiled:
-        # 101,000 -> 95,000, with the head built from bytes). Text is decoded when asked
-        # for: `getall` decodes the values it finds, `header_list` and `headers` all.
+        # the worker's head is built from with no decode and encode of each header. Text
+        # is decoded when asked for: `getall` decodes the values it finds, `header_list`
+        # and `headers` all.
         self.raw_headers = raw_headers
         self._header_list: list[tuple[str, str]] | None = None
         self._headers: CIMultiDict[str] | None = None
@@ -346,8 +344,7 @@ class PublicRequest:
     def getall(self, key: str, default: list[str]) -> list[str]:
         """The values of header `key` (any case) in order, else `default`: what
         `headers.getall` answers, read off the bytes. A forwarded request's session is
-        read this way, so the multidict is never built for it: instructions per routed
-        request (callgrind on bench.hotpath, compiled): 105,300 -> 102,200."""
+        read this way, so the multidict is never built for it."""
         names = _WANTED_NAMES.get(key)
         if names is None:
             # No header name outside Latin-1 can match one llhttp accepted.
@@ -370,8 +367,7 @@ class PublicRequest:
     @property
     def path(self) -> str:
         """`target` without its query. Worked out when asked: a forward whose session
-        is in a header never asks (~250 instructions a request, callgrind on
-        bench.hotpath, compiled)."""
+        is in a header never asks."""
         return self.target.partition("?")[0]
 
     @property
@@ -393,7 +389,6 @@ class PublicRequest:
             return self._whole_body
         body = self.body
         # All here (the usual small body): taken at once, no readany() coroutines.
-        # Instructions per routed request (callgrind on bench.hotpath): 300,400 -> 297,300.
         if body is None or body.complete:
             return self.read_now()
         parts = []

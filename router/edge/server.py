@@ -5,9 +5,8 @@ This module owns a client connection from accept to close: `EdgeServer` makes on
 answers the transport's events (made, data, EOF, lost), feeding its reads to the parser
 and handing the parsed requests on. What it does with them is in its layers, each the
 base class of the one after it here, bottom first (native single inheritance: the
-compiled build reads their attributes and calls their methods directly, as in one class;
-instructions per routed request, callgrind on bench.hotpath, compiled, two runs each:
-71,200 and 69,800 as one class, 70,800 and 69,400 in layers):
+compiled build reads their attributes and calls their methods directly, as in one class,
+and the layers cost no more than one class did; measured: docs/performance.md):
 - `router.edge.clock.ClockedConnection`: the bounds, the clocks (a head must arrive
   complete within `header_timeout_s` of its first byte, of the connection's start for
   the first request; an idle keep-alive connection closes after `idle_timeout_s`; a
@@ -88,9 +87,9 @@ class EdgeServer:
 class EdgeConnection(ParsingConnection):
     """One client connection: its parser, its queue of requests, its reply state."""
 
-    # One per client connection, idle ones included: without a __dict__, 10,000 idle
-    # connections take 4.9 KiB each instead of 6.3 (bench.micro --only idle). Each layer
-    # lists its own attributes, so the whole has no __dict__ either.
+    # One per client connection, idle ones included: without a __dict__ each takes
+    # less memory (docs/performance.md). Each layer lists its own attributes, so the
+    # whole has no __dict__ either.
     __slots__ = ("_server",)
 
     def __init__(self, server: EdgeServer) -> None:
@@ -136,9 +135,8 @@ class EdgeConnection(ParsingConnection):
         wait: llhttp parses all it is given, so a 256 KiB read of tiny pipelined
         requests queued about 9,000 of them (some 18 bytes of memory per byte read).
         The rest is kept, reading paused, until the queue drains (finished). A large
-        read is most often a body's, which this cuts in more parser calls: a 1 GiB
-        upload went 1,462 -> 1,359 MiB/s (bench.micro --only streaming, pure Python,
-        medians of three interleaved runs)."""
+        read is most often a body's, which this cuts in more parser calls: a large upload
+        goes a little slower (docs/performance.md)."""
         view = memoryview(data)
         size = len(data)
         for start in range(0, size, PARSE_SLICE_BYTES):

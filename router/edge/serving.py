@@ -72,9 +72,9 @@ class ServingConnection(ClockedConnection):
         # Requests parsed and not yet answered, the one being handled first.
         # A list, not a deque: the compiled build appends to and pops from a list
         # directly, and calls a deque's methods by name; reading stops past
-        # MAX_PIPELINED, so popping the first one moves a few pointers (the figure is
-        # with the bound methods in router.edge.parsing.ParsingConnection). An empty list
-        # is also ~570 bytes smaller than an empty deque, per connection.
+        # MAX_PIPELINED, so popping the first one moves a few pointers (measured with
+        # the bound methods in router.edge.parsing.ParsingConnection). An empty list
+        # is also smaller than an empty deque, per connection.
         self._queue: list[PublicRequest] = []
         self._busy = False  # the request at the head of the queue is with the handler
         self._dispatching = False  # _dispatch() is on the stack
@@ -95,10 +95,10 @@ class ServingConnection(ClockedConnection):
         """Hands the queued requests to the handler in order, as far as they go now.
 
         A request the handler finishes at once, or drives by callbacks, takes no task (the
-        router's usual forward; with the relay's lane, instructions per routed request
-        went 297,000 -> 270,700, callgrind on bench.hotpath); one whose handler returns an
-        awaitable runs in a task, and the queue moves on when it ends. Once the queue is
-        empty, a refusal waiting behind it is written, or the idle clock starts.
+        router's usual forward; measured with the relay's lane: docs/performance.md); one
+        whose handler returns an awaitable runs in a task, and the queue moves on when it
+        ends. Once the queue is empty, a refusal waiting behind it is written, or the idle
+        clock starts.
         """
         queue = self._queue
         self._dispatching = True
@@ -286,8 +286,7 @@ class ServingConnection(ClockedConnection):
         and returns False. `body_length`: its Content-Length; `has_date`: a Date header
         is among its headers.
 
-        No head rebuilt and no body copied: instructions per routed request (callgrind
-        on bench.hotpath, compiled, medians of three interleaved runs): 91,700 -> 87,800."""
+        No head rebuilt and no body copied (measured: docs/performance.md)."""
         additions = head_additions(
             status,
             body_length is not None,
@@ -375,9 +374,9 @@ class ServingConnection(ClockedConnection):
     def pause_writing(self) -> None:
         """The transport holds more than its high-water mark of unsent replies: no more
         requests are read or handed to the handler until the client takes them (a
-        pipelining client that reads nothing grew the write buffer by about 11 MB a
-        second, without bound). A client that takes nothing for idle_timeout_s is
-        dropped, as nginx's send_timeout drops it."""
+        pipelining client that reads nothing grew the write buffer without bound). A
+        client that takes nothing for idle_timeout_s is dropped, as nginx's send_timeout
+        drops it."""
         self._write_paused = True
         self._update_reading()
         if self._send_timer is None:

@@ -80,8 +80,8 @@ _wall_clock: Final = time.time
 
 
 class _DateCache:
-    """The Date header's value, formatted once per second: formatdate costs ~3 µs, a
-    clock read and a compare ~0.1 µs, and every reply carries it."""
+    """The Date header's value, formatted once per second: formatdate costs far more
+    than a clock read and a compare, and every reply carries it."""
 
     __slots__ = ("_line", "_second", "_value")
 
@@ -98,9 +98,8 @@ class _DateCache:
     def line(self) -> bytes:
         """`Date: <now>` and its CRLF, as bytes."""
         # A method called directly, not self(): the compiled build calls an instance
-        # through the generic call protocol. With the clock a Final (no module
-        # attribute read), the line went 1,270 -> 320 instructions (callgrind
-        # on bench.hotpath, compiled, whose worker sends no Date).
+        # through the generic call protocol. The clock is a Final: no module attribute
+        # read.
         self._refresh()
         return self._line
 
@@ -160,13 +159,12 @@ def reply_head(
     HTTP/1.0 one. A HEAD reply, a 1xx, 204 or 304 has no body; a 304 and a HEAD reply
     keep the worker's Content-Length (it describes the resource, RFC 9110 §8.6).
     """
-    # Built as bytes from the worker's bytes, with no decode and encode of every header.
-    # Instructions per routed request (callgrind on bench.hotpath), with the reply's
-    # rules on the bytes too: 244,900 -> 240,700.
+    # Built as bytes from the worker's bytes, with no decode and encode of every header
+    # (measured with the reply's rules on the bytes too: docs/performance.md).
     parts = [b"HTTP/1.%d %d %b\r\n" % (1 if version_11 else 0, status, reason)]
     no_body = _has_no_body(status, head_request)
     has_length = has_date = False
-    for pair in headers:  # indexed, not unpacked: see relay_wire.worker_request_head
+    for pair in headers:  # indexed, not unpacked: see router.relay.wire.worker_request_head
         name = pair[0]
         # Only two names matter here; their lengths rule most names out without lower().
         size = len(name)

@@ -47,8 +47,8 @@ class Histogram:
     `observe` is a short scan and two additions. Moving the request counter, both
     histograms, the in-flight gauge (since read at scrape time) and the control-op counter here from
     prometheus_client's objects (a lock and a value object per update, seven updates
-    per forwarded request) took the router's cost per forwarded request from 339,000
-    to 310,000 instructions (valgrind --tool=callgrind on bench.hotpath).
+    per forwarded request) lowered the router's cost per forwarded request
+    (docs/performance.md, "The hot path's trims").
     """
 
     __slots__ = ("bounds", "counts", "total")
@@ -62,9 +62,8 @@ class Histogram:
         # Prometheus buckets are inclusive (le): the first bound >= value counts it. A
         # scan from the smallest bound, not bisect_left: the usual value is in the first
         # few buckets, and the compiled build compares floats natively where bisect
-        # calls out and compares objects. With the in-flight gauge read at scrape time,
-        # instructions per routed request (callgrind on bench.hotpath, compiled):
-        # 107,800 -> 105,300.
+        # calls out and compares objects (measured with the in-flight gauge read at
+        # scrape time: docs/performance.md).
         index = 0
         bounds = self.bounds
         last = len(bounds)

@@ -116,7 +116,7 @@ class RouterMetrics:
     def _define_event_metrics(self) -> None:
         reg = self.registry
         # The per-request and per-control-op metrics are plain counts exposed by
-        # HotCollector at scrape time (see metrics_counts.Histogram for what that bought).
+        # HotCollector at scrape time (see router.metrics.counts.Histogram for what that bought).
         self._hot = HotCollector()
         reg.register(self._hot)
         self._upstream_failures = Counter(
@@ -152,7 +152,7 @@ class RouterMetrics:
 
     def _prebind(self) -> None:
         """Create every series whose labels are known now, at zero, so rate() sees
-        its first increase. prometheus_client's `labels()` costs about 1.3 µs (label
+        its first increase. prometheus_client's `labels()` does real work per call (label
         checks, a lock, a dict), so the children the colder paths use are found in
         plain dicts; the hot counts are plain dict entries of HotCollector."""
         for kind in self._kind_labels.values():
@@ -193,9 +193,7 @@ class RouterMetrics:
         hot = self._hot
         if outcome == FORWARDED:
             # The usual outcome: counted in a list per kind, by status class, where a
-            # tuple key was built, hashed and looked up twice. request_done went 2,490
-            # -> 1,050 instructions, and instructions per routed request 81,100 ->
-            # 80,600 (callgrind on bench.hotpath, compiled).
+            # tuple key was built, hashed and looked up twice.
             counts = hot.forwarded.get(kind_label)
             if counts is None:
                 counts = hot.forwarded[kind_label] = [0] * len(CLASS_LABELS)

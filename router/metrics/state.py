@@ -83,7 +83,8 @@ class StateCollector(Collector):
         yield _gauge("tombstones", "Ended session keys remembered as tombstones.", tombstones)
         yield from _worker_families(workers)
         # Read from the workers at scrape time instead of counted per request (two calls
-        # a request): see router.metrics.counts.Histogram.observe for the figure.
+        # a request): measured with router.metrics.counts.Histogram.observe's scan
+        # (docs/performance.md).
         requests = GaugeMetricFamily(
             f"{NAMESPACE}_in_flight_requests",
             "Requests being forwarded to each worker now.",

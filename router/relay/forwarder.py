@@ -69,7 +69,7 @@ class Forwarder(LaneOwner):
         self._closed = False
         # The loop, read once when the first pool opens: on Python 3.11 every
         # asyncio.get_running_loop() is a getpid() system call, and the forward built on
-        # aiohttp's client made 12 of them per request (strace); this path makes none.
+        # aiohttp's client made several of them per request; this path makes none.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timeouts = timeouts
         # The request body limit for bodies whose length is not announced (chunked): one
@@ -137,9 +137,8 @@ class Forwarder(LaneOwner):
         anything else happens (a reply to stream, a stale connection, a timeout, the
         client leaving). It may be called from inside a worker connection's callback.
 
-        Callbacks instead of an edge task, a coroutine chain and two futures per request:
-        with the edge's synchronous dispatch, instructions per routed request (callgrind
-        on bench.hotpath) went 297,000 -> 270,700.
+        Callbacks instead of an edge task, a coroutine chain and two futures per request
+        (measured with the edge's synchronous dispatch: docs/performance.md).
         """
         if self.lane_enabled and self._start(
             request, upstream, on_done, extra_headers, public_base, body
@@ -188,7 +187,7 @@ class Forwarder(LaneOwner):
         return self.resume(exchange, message, public_base)
 
     async def resume(self, exchange: Exchange, message: bytes, public_base: str | None) -> int:
-        """The rest of a forward the lane started and handed over (`relay_lane.Lane`): as
+        """The rest of a forward the lane started and handed over (`router.relay.lane.Lane`): as
         `forward()` from the wait for the reply head on."""
         try:
             failure = await self._reply_head_or_retry(exchange, message)
@@ -237,8 +236,8 @@ class Forwarder(LaneOwner):
         return pool
 
     async def _send(self, exchange: Exchange, first: bytes, whole: bool) -> None:
-        """Writes the request (`first` and `whole`: see `relay_request.outgoing`) on a pooled or new
-        connection; returns once the reply head is in. Raises UpstreamFailure."""
+        """Writes the request (`first` and `whole`: see `router.relay.request.outgoing`) on a
+        pooled or new connection; returns once the reply head is in. Raises UpstreamFailure."""
         loop = self._loop
         assert loop is not None
         timeouts = self._timeouts
@@ -266,8 +265,7 @@ class Forwarder(LaneOwner):
         # The reply is readied after the write, not before: no reply can be read until
         # this returns to the loop, and a write calls back only pause_writing or
         # resume_writing, which leave the reply alone. The worker then has the request
-        # ~1,400 instructions sooner (ReplyParser.begin, callgrind on the router serving
-        # serial requests).
+        # sooner, by ReplyParser.begin's cost.
         conn.expect_reply(head_request=exchange.request.method == "HEAD")
         loop = self._loop
         assert loop is not None

@@ -24,9 +24,9 @@ class LaneDone:
     """What `Forwarder.start` tells how a forward on its lane ended: an object whose
     `lane_done(result)` is called, not a callable. The compiled build then calls it
     directly, where a closure made per request and called through the generic call
-    protocol cost more; with `relay_connection.ReplyWatcher` (the same for the
+    protocol cost more; with `router.relay.connection.ReplyWatcher` (the same for the
     connection's callback), no closure and no bound method are made per request (one of
-    the trims in router.edge.parsing.ParsingConnection's figure)."""
+    the trims measured with router.edge.parsing.ParsingConnection's bound methods)."""
 
     __slots__ = ()
 

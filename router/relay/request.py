@@ -36,9 +36,9 @@ def outgoing(
     """What to write first, and whether it is the whole request: the head and the
     framed body when the body is all here (True), else the head alone, the body to
     stream after it (False). Head and body are joined in one piece, as the worker
-    reads them in one recv (no copy of the head into a second bytes object: ~250
-    instructions, callgrind on bench.hotpath). `limit`: the body limit for a body whose
-    length was not announced (None: none). Raises UpstreamFailure (nothing was sent)."""
+    reads them in one recv (no copy of the head into a second bytes object). `limit`:
+    the body limit for a body whose length was not announced (None: none). Raises
+    UpstreamFailure (nothing was sent)."""
     request = exchange.request
     method = request.method
     if method == "CONNECT":

@@ -105,8 +105,7 @@ def worker_request_head(
     """
     # A list of (bytes, bytes), declared so: the compiled build then reads its items
     # and their fields directly (pair[0], not unpacking, which goes through the
-    # iterator protocol), where an Iterable's cost a generic call each: 109,600 ->
-    # 107,800 instructions per routed request.
+    # iterator protocol), where an Iterable's cost a generic call each.
     items = client_headers
     roles, rare = _roles_by_name(items)
     drop_length = False
@@ -121,7 +120,7 @@ def worker_request_head(
     length_line = None if content_length is None else b"Content-Length: %d\r\n" % content_length
     parts = [_request_line(method, target), _line_from(_HOST_LINES, "Host", worker_host)]
     original_host: bytes | None = None
-    # By index, not zip(strict=True): the keyword call costs ~2,500 instructions compiled.
+    # By index, not zip(strict=True): the keyword call costs far more, compiled.
     for index, pair in enumerate(items):
         role = roles[index]
         if role == _KEEP or (role == _LENGTH and not drop_length and length_line is None):
@@ -163,9 +162,8 @@ def worker_request_head(
 # request: each is checked and encoded once, then looked up by name, then value (the
 # same string objects request after request: their hashes are cached, and a dict
 # compares them by identity first). A name's lines are emptied when there are too many,
-# so invented values cannot grow the cache. With the client's bytes copied as they came
-# (no decode, encode and CR/LF search of each), instructions per routed request
-# (callgrind on bench.hotpath, compiled; three runs 94,200-95,400): 101,000 -> 95,000.
+# so invented values cannot grow the cache (measured with the client's bytes copied as
+# they came, no decode, encode and CR/LF search of each: docs/performance.md).
 _LINES: Final[dict[str, dict[str, bytes]]] = {}
 MAX_CACHED_LINES: Final = 4096  # per name
 _MAX_CACHED_NAMES: Final = 64
@@ -191,8 +189,7 @@ def _new_header_line(name: str, value: str) -> bytes:
 
 
 # The lines of the names every forward carries, kept by value in tables of their own:
-# one lookup, not two (the four added lines went 1,260 -> 840 instructions, callgrind
-# on bench.hotpath, compiled).
+# one lookup, not two.
 _HOST_LINES: Final[dict[str, bytes]] = {}
 _FORWARDED_FOR_LINES: Final[dict[str, bytes]] = {}
 _FORWARDED_PROTO_LINES: Final[dict[str, bytes]] = {}
@@ -209,11 +206,11 @@ def _line_from(lines: dict[str, bytes], name: str, value: str) -> bytes:
 
 
 # The request line, kept by method, then target: a tool call's target repeats (the
-# same few routes), and a line looked up costs less than one formatted and encoded:
-# 860 -> 570 instructions (callgrind on bench.hotpath, compiled). Targets are the
-# client's choice, so the bound is tighter than the added lines': the usual methods
-# only, MAX_CACHED_TARGETS a method, none over _MAX_CACHED_TARGET characters (at most
-# ~1 MB). `method` and `target` are as llhttp parsed them (no CR or LF).
+# same few routes), and a line looked up costs less than one formatted and encoded.
+# Targets are the client's choice, so the bound is tighter than the added lines': the
+# usual methods only, MAX_CACHED_TARGETS a method, none over _MAX_CACHED_TARGET
+# characters (at most ~1 MB). `method` and `target` are as llhttp parsed them (no CR or
+# LF).
 _REQUEST_LINES: Final[dict[str, dict[str, bytes]]] = {
     method: {} for method in ("GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS")
 }
@@ -264,8 +261,7 @@ def _text(data: bytes) -> str:
 # repeat from request to request (Host, Content-Type, the token header), so each one's
 # role is worked out once (the cache is bounded: invented names cannot grow it). With
 # a Connection header, which may name more headers to drop, roles are per request.
-# Router instructions per forwarded request (callgrind on bench.hotpath): 305,000 ->
-# 296,000, against a lower() and a rules check per header per request.
+# That costs less than a lower() and a rules check per header per request.
 # (Final: the compiled build compares them as machine integers, not as objects.)
 _KEEP: Final = 1
 _DROP: Final = 2
@@ -327,8 +323,8 @@ def serialize_request_head(method: str, target: str, headers: Iterable[tuple[str
 
 def _encode_head(lines: list[str]) -> bytes:
     # Every CR and LF must be ours: the lines joined without them are searched for one
-    # (memchr). Counting them in the head instead took ~3,300 instructions a head, two
-    # loops over every character (callgrind).
+    # (memchr). Counting them in the head instead took far more: two loops over every
+    # character.
     flat = "".join(lines)
     if "\n" in flat or "\r" in flat:
         raise ValueError("a header name or value carries a line break")

@@ -27,9 +27,10 @@ log = logging.getLogger("episode_router")
 
 # The collector's first generation runs after this many more container objects are
 # allocated than freed (CPython's default: 700). A forward leaves almost no cycles behind,
-# so under load the default ran gen-0 passes that found nothing: measured with
-# gc.callbacks under wrk, 0.6-0.9 µs of CPU per request at 700, none at 50,000 (it was
-# 24 µs per request with aiohttp's client, whose objects survived into gen 2).
+# so under load the default ran gen-0 passes that found nothing, at a CPU cost on every
+# request; at this threshold, none (measured with gc.callbacks under wrk:
+# docs/performance.md). They cost more with aiohttp's client, whose objects survived
+# into gen 2.
 GC_GEN0_THRESHOLD = 50_000
 
 

@@ -4,8 +4,7 @@ Every call of an episode carries the same token, so after its first request a to
 costs one dict probe instead of a parse and a signature check. Kept apart from
 `router.tokens` so the compiled build (setup.py) covers it: tokens.py stays Python,
 its checks of a decoded token's JSON types being what refuses a hostile token.
-Compiled, a hit costs less: 101,900 -> 101,100 instructions per routed request
-(callgrind on bench.hotpath, the medians of three interleaved runs).
+Compiled, a hit costs less (docs/performance.md, "The hot path's trims").
 """
 
 from __future__ import annotations
@@ -19,13 +18,12 @@ class TokenCache:
     """The keys of tokens already parsed (and verified, with a verifier), by token text.
 
     Every call of an episode carries the same token, so after its first request a token
-    costs one dict probe instead of a parse and a signature check: 11.5 µs -> 0.1 µs per
-    HS256 token (bench.micro --only tokens). Only a token that passed every check is
-    kept, under its full text, signature included: a token that differs in any byte is
-    parsed anew. Expiry is checked on every hit; an expired entry is parsed again, so
-    the refusal says why. At most `max_entries` are kept, holding at most `max_bytes` of
-    token text (tokens may be up to 4 KiB: without a verifier, any well-formed one is
-    kept), the oldest dropped first.
+    costs one dict probe instead of a parse and a signature check. Only a token that
+    passed every check is kept, under its full text, signature included: a token that
+    differs in any byte is parsed anew. Expiry is checked on every hit; an expired entry
+    is parsed again, so the refusal says why. At most `max_entries` are kept, holding at
+    most `max_bytes` of token text (tokens may be up to 4 KiB: without a verifier, any
+    well-formed one is kept), the oldest dropped first.
     """
 
     __slots__ = ("_bytes", "_entries", "_max_bytes", "_max_entries", "_verifier")
