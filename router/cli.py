@@ -24,6 +24,7 @@ from router.config import (
     ControlConfig,
     ListenConfig,
     SpawnConfig,
+    config_warnings,
     default_config,
     load_config,
 )
@@ -136,6 +137,8 @@ def _check_config(args: argparse.Namespace) -> int:
         return 2
     kinds = ", ".join(kind.name for kind in config.sessions)
     print(f"{args.file}: ok (listen {config.listen.host}:{config.listen.port}; kinds: {kinds})")
+    for warning in config_warnings(config):
+        print(f"warning: {warning}")
     return 0
 
 
@@ -212,6 +215,12 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
         return 0
     print(format_status(data["workers"]))
+    for kind, misses in sorted(data.get("learn_misses", {}).items()):
+        print(
+            f"warning: {misses} seed repl{'y' if misses == 1 else 'ies'} named no session "
+            f"where kind {kind!r} looks for one: check its seed's learn (the server's cookie "
+            "name, header or JSON pointer)"
+        )
     return 0
 
 

@@ -24,6 +24,22 @@ def test_check_config_accepts_the_example_and_names_what_it_read(
     assert out.startswith(f"{example}: ok (listen 0.0.0.0:8080; kinds: episode")
 
 
+def test_check_config_warns_of_what_a_valid_file_likely_gets_wrong(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    likely_wrong = tmp_path / "router.yaml"
+    likely_wrong.write_text(
+        "sessions:\n"
+        "  - name: resources\n"
+        "    cookie: {name: SimpleWeatherResourcesServer___single_tool}\n"
+        "    seed: {method: POST, path: /seed, learn: {cookie: ResourcesServer___resources}}\n"
+    )
+    assert main(["check-config", str(likely_wrong)]) == 0  # valid: a warning, not an error
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{likely_wrong}: ok")
+    assert lines[1].startswith("warning: sessions[0] (resources): the seed learns cookie")
+
+
 def test_check_config_refuses_a_bad_file_with_path_key_and_reason(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -106,6 +122,12 @@ async def test_status_reads_the_admin_api_of_a_running_router(
     code = await asyncio.to_thread(main, ["status", "--admin", admin])
     assert code == 0
     assert capsys.readouterr().out.splitlines()[1].split()[:4] == ["w0", "live", "False", "1"]
+    # A kind whose seed replies name no session is said loudly.
+    rig.router.core.learn_missed("resources")
+    code = await asyncio.to_thread(main, ["status", "--admin", admin])
+    assert code == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("warning: 1 seed reply named no session where kind 'resources' looks")
 
 
 def test_status_says_when_the_router_cannot_be_reached(capsys: pytest.CaptureFixture[str]) -> None:

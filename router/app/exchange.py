@@ -63,6 +63,7 @@ class Exchange(LaneDone):
         "kind",
         "outcome",
         "request",
+        "route_path",
         "seeding",
         "started",
         "status",
@@ -76,6 +77,9 @@ class Exchange(LaneDone):
         self.outcome = "forwarded"  # or the code of the router's own answer
         self.status = 0  # the reply's status, for metrics
         self.seeding: frozenset[str] = frozenset()
+        # The path routes match (behind a prefix the workers strip); set when a kind
+        # has routes or reads paths.
+        self.route_path = ""
         self.found: SessionRef | None = None
         self.body: bytes | None = None  # read only when a body kind needed it
         self.decision: Forward | None = None  # set when it goes on the relay's lane

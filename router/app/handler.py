@@ -81,11 +81,17 @@ class PublicHandler(ExchangeOwner):
         refusal = self._refuse_early(request)
         if refusal is None:
             reader = self.sessions
-            if reader.has_seeds:
-                exchange.seeding = reader.seeding(request.method, exchange.path)
+            if reader.routes:
+                exchange.route_path = reader.route_path(request.path)
+                if reader.has_seeds:
+                    exchange.seeding = reader.seeding(request.method, exchange.route_path)
             found = reader.read_head(request, self._wall_clock(), exchange.seeding)
-            if found is None and reader.reads_bodies and _small_json_body(request, reader):
-                return self._session_from_body(exchange)
+            if (
+                reader.reads_bodies
+                and (found is None or reader.wants_body(request.method, exchange.route_path))
+                and _small_json_body(request, reader)
+            ):
+                return self._session_from_body(exchange, found)
             decision = self._route(exchange, found)
             if decision is not None:
                 # A reply a learner must see goes the coroutine path (Forwarder.forward).
@@ -101,7 +107,11 @@ class PublicHandler(ExchangeOwner):
         request.client.finished(request)
         return None
 
-    async def _session_from_body(self, exchange: Exchange) -> None:
+    async def _session_from_body(
+        self, exchange: Exchange, found: SessionRef | Answer | None
+    ) -> None:
+        """Reads the body, for the session it names when the head named none (`found`),
+        or for what a body kind's seed or close route learns from it."""
         request = exchange.request
         _continue_if_expected(request)  # the session is in the body: let it come
         try:
@@ -110,7 +120,8 @@ class PublicHandler(ExchangeOwner):
             exchange.body_broke(broken)
             self._finish(exchange)
             return
-        found = self.sessions.read_body(exchange.body, exchange.seeding)
+        if found is None:
+            found = self.sessions.read_body(exchange.body, exchange.seeding)
         decision = self._route(exchange, found)
         if decision is not None:
             await self._forward_and_finish(exchange, decision)
@@ -119,7 +130,7 @@ class PublicHandler(ExchangeOwner):
         """Where the request goes, from the session read so far; None when the router
         answered it itself (the answer is out and counted)."""
         if found is None and self.sessions.reads_paths:
-            found = self.sessions.read_path(exchange.path, exchange.seeding)
+            found = self.sessions.read_path(exchange.route_path, exchange.seeding)
         if isinstance(found, Answer):
             # A session source refused (a bad token, an ambiguous header): counted and
             # logged under its kind, its decision timed like any other.
@@ -141,7 +152,10 @@ class PublicHandler(ExchangeOwner):
                 if header is not None:
                     exchange.request.keep_one_header(header, found.one_line)
         exchange.kind = kind
-        decision = self.core.route(kind, key, self._clock())
+        if kind is not None and key is not None and self.sessions.learns:
+            decision = self._route_on(exchange, kind, key)
+        else:
+            decision = self.core.route(kind, key, self._clock())
         if self.metrics is not None:
             # Observed when the request ends or its forward coroutine begins
             # (_decision_observed), not here: the histogram is then off the path to the
@@ -151,6 +165,18 @@ class PublicHandler(ExchangeOwner):
             self._answer(exchange, decision)
             return None
         return decision
+
+    def _route_on(self, exchange: Exchange, kind: str, key: str) -> Forward | Answer:
+        """A session's request where kinds have routes: a close route reaches a worker
+        even for a session that ended or is unknown (its own contract answers), and a
+        seed that names its own session goes to its holder, or is balanced (design §4)."""
+        how = self.sessions.route_of(kind, exchange.request.method, exchange.route_path)
+        now = self._clock()
+        if how == "close":
+            return self.core.route_close(kind, key, now)
+        if how == "seed":
+            return self.core.route_new(kind, key, now)
+        return self.core.route(kind, key, now)
 
     def _answer(self, exchange: Exchange, answer: Answer) -> None:
         exchange.answer(answer)
@@ -337,11 +363,12 @@ class PublicHandler(ExchangeOwner):
         plan = plan_learning(
             reader,
             request.method,
-            exchange.path,
+            exchange.route_path,
             exchange.found,
             exchange.seeding,
             request,
             self._wall_clock(),
+            exchange.body,
         )
         if not plan:
             return None

@@ -18,6 +18,8 @@ the modules behind it, each owning one part:
 - `addresses`: what the config refuses of an address (the grammar is
   `router.protocol.addresses`'), control sockets (`is_tcp_socket`) and listener clashes.
 - `secrets`: `*_env` / `*_file` secrets and public key files.
+- `patterns`: the grammars of JSON pointers, path patterns and path prefixes.
+- `warnings`: what a valid config likely gets wrong (`config_warnings`).
 
 None of it may open a socket, start a task or log, or put a secret's value in
 an error message.
@@ -28,6 +30,8 @@ from __future__ import annotations
 from router.config.addresses import is_tcp_socket
 from router.config.errors import ConfigError
 from router.config.model import (
+    SPAWN_ENV_PREFIX,
+    SPAWN_PLACEHOLDERS,
     AdminConfig,
     BodyFieldConfig,
     ClaimsConfig,
@@ -61,10 +65,14 @@ from router.config.parse import (
 )
 from router.config.patterns import (
     compile_path_pattern,
+    compile_path_prefix,
     parse_json_pointer,
 )
+from router.config.warnings import config_warnings
 
 __all__ = [
+    "SPAWN_ENV_PREFIX",
+    "SPAWN_PLACEHOLDERS",
     "AdminConfig",
     "BodyFieldConfig",
     "ClaimsConfig",
@@ -91,6 +99,8 @@ __all__ = [
     "VerifyConfig",
     "check_config",
     "compile_path_pattern",
+    "compile_path_prefix",
+    "config_warnings",
     "default_config",
     "is_tcp_socket",
     "load_config",

@@ -100,6 +100,21 @@ class SpawnConfig:
     host: str = "127.0.0.1"
     # Time to finish in-flight calls after SIGTERM before SIGKILL.
     stop_timeout_s: float = 10.0
+    # How a spawned worker becomes live: it says hello on the control socket ("hello"),
+    # or, for a server that never speaks the protocol, its health probe answers
+    # ("probe": probed at health.path, as static workers are).
+    register: str = "hello"
+    # The workers' working directory; None: the router's own.
+    cwd: str | None = None
+    # Variables set for each worker, their values templates like the command's.
+    env: tuple[tuple[str, str], ...] = ()
+
+
+# What a spawn template (the command, an `env` value, `cwd`) may name of each worker:
+# its private port, its id, the host it listens on, its index (0, 1, ...).
+SPAWN_PLACEHOLDERS: Final = ("port", "worker_id", "host", "index")
+# The variables the router sets for its spawned workers; inherited ones are dropped.
+SPAWN_ENV_PREFIX: Final = "EPISODE_ROUTER_"
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,21 +213,30 @@ class PathSourceConfig:
 
 @dataclass(frozen=True, slots=True)
 class LearnConfig:
-    """Where a seed reply carries the new session's key; exactly one is set."""
+    """Where a seed's new session key is found; exactly one is set. `request`: the key
+    the seed request itself names in the kind's own source (the caller names the
+    session), learned when the reply is a 2xx."""
 
     json_pointer: str | None = None
     header: str | None = None
     cookie: str | None = None
+    request: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class RouteConfig:
-    """A method and exact path; a seed route also says where its reply carries the key."""
+    """A method and exact path; a seed route also says where its key is found."""
 
     method: str
     path: str
-    # Filled in for every seed route by the parser; None on close routes.
-    learn: LearnConfig | None = None
+    # Filled in for every seed route by the parser (the first place the reply carries
+    # wins; or the request alone); empty on close routes.
+    learn: tuple[LearnConfig, ...] = ()
+
+    @property
+    def learns_from_request(self) -> bool:
+        """The caller names the session in its seed request (`learn: request`)."""
+        return any(place.request for place in self.learn)
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,6 +351,9 @@ class Config:
     spawn: SpawnConfig | None = None
     # NeMo Gym's episode token header.
     sessions: tuple[SessionKindConfig, ...] = (_EPISODE_KIND,)
+    # Workers route on the path as it is sent, unless they strip a prefix first (NeMo
+    # Gym's /ng-rollout/{rollout_id}); routes then match the path behind one.
+    path_prefixes: tuple[str, ...] = ()
     claims: ClaimsConfig = ClaimsConfig()
     state: StateConfig = StateConfig()
     limits: LimitsConfig = LimitsConfig()

@@ -1,6 +1,6 @@
 """The small grammars in the config's values that the router applies to requests: RFC 6901
-JSON pointers (`learn.json_pointer`, `body_field.pointer`) and path patterns with one
-`{key}` segment (`path.pattern`).
+JSON pointers (`learn.json_pointer`, `body_field.pointer`), path patterns with one
+`{key}` segment (`path.pattern`) and the path prefixes workers strip (`path_prefixes`).
 
 The config checks each value with these functions when it is read, and the session
 reader (`router.sessions`) compiles the same value with the same function, so no value
@@ -16,12 +16,13 @@ import re
 from collections.abc import Callable
 from typing import Final
 
-__all__ = ["compile_path_pattern", "parse_json_pointer"]
+__all__ = ["compile_path_pattern", "compile_path_prefix", "parse_json_pointer"]
 
 _POINTER_ESCAPE: Final = re.compile(r"~(?![01])")
 # RFC 3986 pchar: unreserved, pct-encoded, sub-delims, ":" and "@".
 _PATH_SEGMENT: Final = re.compile(r"(?:[A-Za-z0-9._~!$&'()*+,;=:@-]|%[0-9A-Fa-f]{2})+")
 _KEY_PLACEHOLDER: Final = "{key}"
+_PLACEHOLDER: Final = re.compile(r"\{[A-Za-z_][A-Za-z0-9_]*\}")
 
 
 def parse_json_pointer(pointer: str) -> tuple[str, ...]:
@@ -82,4 +83,48 @@ def _pattern_segments(pattern: str) -> list[str]:
             raise ValueError(f"{segment!r}: {{key}} must be a whole segment; '*' is not supported")
         if not _PATH_SEGMENT.fullmatch(segment):
             raise ValueError(f"{segment!r} is not a path segment (empty, or not URL characters)")
+    return segments
+
+
+def compile_path_prefix(pattern: str) -> Callable[[str], str | None]:
+    """A matcher for a prefix that workers strip from a path before they route it, like
+    "/ng-rollout/{rollout_id}": it gives the rest of a path that starts with the prefix
+    (from its "/" on), or None.
+
+    The pattern starts with "/" and is made of literal segments (RFC 3986 path
+    characters, matched exactly) and whole-segment placeholders (`{name}`, any
+    non-empty segment), with at least one literal segment. The rest of a matching path
+    is at least "/". Raises ValueError for a bad pattern.
+    """
+    segments = _prefix_segments(pattern)
+    count = len(segments)
+
+    def rest(path: str) -> str | None:
+        parts = path.split("/", count + 1)
+        if len(parts) != count + 2 or parts[0]:
+            return None
+        for segment, part in zip(segments, parts[1:], strict=False):
+            if part == "" or (segment is not None and part != segment):
+                return None
+        return "/" + parts[count + 1]
+
+    return rest
+
+
+def _prefix_segments(pattern: str) -> list[str | None]:
+    """The literal segments of a prefix pattern, None for each placeholder."""
+    if not pattern.startswith("/") or pattern.endswith("/"):
+        raise ValueError("a path prefix starts with '/' and does not end with one")
+    segments: list[str | None] = []
+    for segment in pattern[1:].split("/"):
+        if _PLACEHOLDER.fullmatch(segment):
+            segments.append(None)
+        elif "{" in segment or "}" in segment or not _PATH_SEGMENT.fullmatch(segment):
+            raise ValueError(
+                f"{segment!r} is neither a path segment nor a whole-segment {{placeholder}}"
+            )
+        else:
+            segments.append(segment)
+    if all(segment is None for segment in segments):
+        raise ValueError("a path prefix needs a literal segment, or every path would match it")
     return segments

@@ -27,6 +27,8 @@ from router.config.addresses import (
 )
 from router.config.errors import join_key, quote
 from router.config.model import (
+    SPAWN_ENV_PREFIX,
+    SPAWN_PLACEHOLDERS,
     AdminConfig,
     ClaimsConfig,
     Config,
@@ -41,6 +43,7 @@ from router.config.model import (
     TimeoutsConfig,
     spawned_workers,
 )
+from router.config.patterns import compile_path_prefix
 from router.config.reader import Context, Section, read_integer, read_text
 from router.config.secrets import inline_refused, secret_text
 from router.config.sessions import read_sessions
@@ -48,10 +51,10 @@ from router.protocol import UNIX, is_loopback_host
 
 TOP_KEYS: Final = (
     *("listen", "admin", "control", "workers", "health", "spawn", "sessions"),
-    *("claims", "state", "limits", "timeouts", "log"),
+    *("path_prefixes", "claims", "state", "limits", "timeouts", "log"),
 )
 _WORKER_ID: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
-_PLACEHOLDERS: Final = ("port", "worker_id", "host")
+_ENV_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CONTROL_KEYS: Final = (
     *("socket", "allowed_uids", "allowed_upstreams", "secret_env", "secret_file"),
     *("lease_timeout_s", "reconnect_grace_s"),
@@ -82,6 +85,7 @@ def build_config(root: Section) -> Config:
         health=_health(root.child("health", ("path", "interval_s", "timeout_s", "failures"))),
         spawn=_spawn(root),
         sessions=read_sessions(root),
+        path_prefixes=_path_prefixes(root),
         claims=_claims(root.child("claims", _CLAIMS_KEYS)),
         state=StateConfig(path=root.child("state", ("path",)).optional_text("path")),
         limits=_limits(root.child("limits", _LIMITS_KEYS)),
@@ -221,32 +225,46 @@ def _health(sec: Section) -> HealthConfig:
     return HealthConfig(path, interval, timeout, sec.integer("failures", d.failures, 1, 1000))
 
 
-def _command_problem(command: str) -> str | None:
+def _template_problem(template: str) -> str | None:
+    """Why `template` (the spawn command, an `env` value, `cwd`) cannot be rendered for
+    a worker, or None: only the known placeholders, with no conversion or format spec."""
     try:
-        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(command)]
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template)]
     except ValueError as exc:
         return f"malformed placeholder: {exc}"
-    allowed = ", ".join(f"{{{p}}}" for p in _PLACEHOLDERS)
+    allowed = ", ".join(f"{{{p}}}" for p in SPAWN_PLACEHOLDERS)
     for name, spec, conversion in fields:
-        if name is not None and name not in _PLACEHOLDERS:
+        if name is not None and name not in SPAWN_PLACEHOLDERS:
             return f"unknown placeholder {{{name}}}; allowed: {allowed} (write {{{{ for a brace)"
         if spec or conversion:
             return f"placeholder {{{name}}} takes no conversion or format spec"
-    if "port" not in {name for name, _, _ in fields}:
-        return "must contain {port}: each spawned worker listens on its own port"
+    return None
+
+
+def _command_problem(command: str) -> str | None:
+    if problem := _template_problem(command):
+        return problem
     # Split here as the spawner will (no shell runs it): a template it cannot split
     # would pass this check and stop `run` later.
     try:
-        shlex.split(command)  # never empty: {port} is in it
+        arguments = shlex.split(command)
     except ValueError as exc:
         return f"cannot be split into arguments the way a shell would: {exc}"
-    return None  # a NUL byte, which no argument can hold, is refused as any text's is
+    return (
+        None if arguments else "names no program to run"
+    )  # a NUL byte, which no argument can hold, is refused as any text's is
+
+
+_SPAWN_KEYS: Final = (
+    *("command", "count", "base_port", "host", "stop_timeout_s"),
+    *("register", "cwd", "env"),
+)
 
 
 def _spawn(root: Section) -> SpawnConfig | None:
     if not root.has("spawn"):
         return None
-    sec = root.child("spawn", ("command", "count", "base_port", "host", "stop_timeout_s"))
+    sec = root.child("spawn", _SPAWN_KEYS)
     d = SpawnConfig(command="")  # holds the field defaults
     command = sec.text("command")
     if problem := _command_problem(command):
@@ -256,7 +274,60 @@ def _spawn(root: Section) -> SpawnConfig | None:
     if base_port + count - 1 > 65535:
         raise sec.fail("count", f"ports {base_port}..{base_port + count - 1} go past 65535")
     stop = sec.seconds("stop_timeout_s", d.stop_timeout_s)
-    return SpawnConfig(command, count, base_port, sec.host("host", d.host), stop)
+    register = sec.choice("register", d.register, ("hello", "probe"))
+    cwd = sec.optional_text("cwd")
+    if cwd is not None and (problem := _template_problem(cwd)):
+        raise sec.fail("cwd", problem)
+    host = sec.host("host", d.host)
+    env = _spawn_env(sec)
+    if not any("port" in _fields(template) for template in (command, *(v for _, v in env))):
+        reason = (
+            "must contain {port}, or one of spawn.env's values must: each spawned worker "
+            "listens on its own port"
+        )
+        raise sec.fail("command", reason)
+    return SpawnConfig(command, count, base_port, host, stop, register, cwd, env)
+
+
+def _fields(template: str) -> set[str]:
+    """The placeholders `template` names (a checked one: it parses)."""
+    return {name for _, name, _, _ in string.Formatter().parse(template) if name}
+
+
+def _spawn_env(sec: Section) -> tuple[tuple[str, str], ...]:
+    """`env`: variable names to templates, rendered for each worker."""
+    value = sec.value("env")
+    if value is None:
+        return ()
+    names = tuple(value) if isinstance(value, dict) else ()
+    env = sec.child("env", tuple(name for name in names if isinstance(name, str)))
+    pairs: list[tuple[str, str]] = []
+    for name in names:
+        if not _ENV_NAME.fullmatch(name):
+            raise env.fail(name, "not an environment variable name ([A-Za-z_][A-Za-z0-9_]*)")
+        if name.startswith(SPAWN_ENV_PREFIX):
+            raise env.fail(name, f"{SPAWN_ENV_PREFIX}* variables are set by the router itself")
+        template = env.text(name)
+        if problem := _template_problem(template):
+            raise env.fail(name, problem)
+        pairs.append((name, template))
+    return tuple(pairs)
+
+
+def _path_prefixes(root: Section) -> tuple[str, ...]:
+    """`path_prefixes`: the prefixes workers strip before routing, each a pattern of
+    literal segments and whole-segment placeholders."""
+    prefixes: list[str] = []
+    for key_path, value in root.items("path_prefixes"):
+        prefix = read_text(root.ctx, key_path, value)
+        try:
+            compile_path_prefix(prefix)
+        except ValueError as exc:
+            raise root.ctx.fail(key_path, f"{exc}; got {quote(prefix)}") from None
+        if prefix in prefixes:
+            raise root.ctx.fail(key_path, f"{quote(prefix)} is listed twice")
+        prefixes.append(prefix)
+    return tuple(prefixes)
 
 
 def _claims(sec: Section) -> ClaimsConfig:

@@ -353,13 +353,34 @@ def _seed(sec: Section, kind: SessionKindConfig) -> RouteConfig | None:
     seed = sec.child("seed", ("method", "path", "learn"))
     route = _route(seed)
     if seed.has("learn"):
-        return dataclasses.replace(route, learn=_learn(seed.child("learn", _LEARN_KEYS)))
+        return dataclasses.replace(route, learn=_learn_places(seed))
     if kind.cookie is not None:
-        return dataclasses.replace(route, learn=LearnConfig(cookie=kind.cookie.name))
+        return dataclasses.replace(route, learn=(LearnConfig(cookie=kind.cookie.name),))
     if kind.header is not None:
-        return dataclasses.replace(route, learn=LearnConfig(header=kind.header))
-    reason = f"a {kind.source} kind needs learn: {{json_pointer, header or cookie}} to find its key"
+        return dataclasses.replace(route, learn=(LearnConfig(header=kind.header),))
+    reason = (
+        f"a {kind.source} kind needs learn: {{json_pointer, header or cookie}} to find its key "
+        "in the reply, or learn: request when the seed request names it"
+    )
     raise seed.fail("learn", reason)
+
+
+def _learn_places(seed: Section) -> tuple[LearnConfig, ...]:
+    """`learn`: one place in the reply, a list of them (the head's places are read
+    before the body's, each in order; the first that holds a value wins), or `request`
+    (the seed request names the key, in the kind's own source)."""
+    value = seed.value("learn")
+    if value == "request":
+        return (LearnConfig(request=True),)
+    if isinstance(value, str):
+        reason = "expected request, a {json_pointer, header or cookie} mapping, or a list of them"
+        raise seed.fail("learn", f"{reason}; got {quote(value)}")
+    if isinstance(value, list):
+        places = tuple(_learn(place) for place in seed.sections("learn", _LEARN_KEYS))
+        if not places:
+            raise seed.fail("learn", "an empty list learns nothing")
+        return places
+    return (_learn(seed.child("learn", _LEARN_KEYS)),)
 
 
 def _learn(sec: Section) -> LearnConfig:

@@ -64,6 +64,8 @@ class ControlPolicy:
     secret: str | None
     router_boot: str
     spawned_ids: frozenset[str] = frozenset()  # the ids of the workers `spawn:` starts
+    # The ids of spawned workers that never say hello (`spawn.register: probe`).
+    probed_ids: frozenset[str] = frozenset()
 
 
 # -- the fast path for claim and release -------------------------------------------
@@ -234,6 +236,9 @@ class ControlSession:
             # The config's id, probed at the config's url: a hello would retire it (its
             # sessions 410) and send its traffic wherever the hello says.
             return "worker_busy", "A static worker (the config's `workers:`) has this id."
+        if worker_id in policy.probed_ids:
+            # The same for a worker the router spawns and probes: it never says hello.
+            return "worker_busy", "A probed spawned worker (spawn.register: probe) has this id."
         # This connection's own lease too: a second hello on it with another boot or url
         # would retire the worker it speaks for (and close this very connection).
         if (

@@ -116,6 +116,11 @@ class TickResult:
 # series. A forgotten worker's sessions stay 410 worker_exited (route needs no worker
 # for that); configured (static) workers are always kept, probed to come back.
 MAX_EXITED_WORKERS: Final = 1024
+# Balancing weighs the sessions each worker's clients used in the current activity
+# window and the one before (Worker.recent_sessions): a session counts once a window
+# however many calls it makes. A minute outlasts an agent's pause between tool calls
+# (a model's turn), and a session nobody used for two windows no longer weighs.
+ACTIVE_WINDOW_S: Final = 60.0
 
 
 class RouterCore:
@@ -141,9 +146,14 @@ class RouterCore:
         self._expected: set[str] = set()  # workers to hear from before recovery ends early
         self._recovered: set[str] = set()
         self._exited: dict[str, None] = {}  # exited non-static worker ids, oldest first
+        # When the current activity window began: a claim last used before it is
+        # counted in its worker's recent sessions when used again.
+        self._window_start = now
         self.conflicts = 0
         self.learned = 0
         self.learn_conflicts = 0
+        # Seed replies that named no session, by kind (a config that cannot learn).
+        self.learn_misses: dict[str, int] = {}
 
     # -- recovery ----------------------------------------------------------
 
@@ -197,18 +207,39 @@ class RouterCore:
         if claim.state is ClaimState.HELD:
             worker = self.workers.get(claim.worker)
             if worker is not None and worker.forwardable:
+                if claim.last_used < self._window_start:
+                    worker.recent += 1  # first use in this activity window
                 claim.last_used = now
                 return Forward(worker, key, worker.boot)
-            return Answer(
-                "worker_exited", "The worker that ran this episode is no longer running.", key
-            )
+            return _worker_exited(key)
         if claim.state is ClaimState.ENDED:
             if kind in self.settings.mcp_kinds:
                 return _unknown_mcp_session(key)
             return Answer("episode_ended", "This episode has ended.", key)
-        return Answer(
-            "worker_exited", "The worker that ran this episode is no longer running.", key
-        )
+        return _worker_exited(key)
+
+    def route_new(self, kind: str, key: str, now: float) -> Decision:
+        """A seed that names its own session (its kind learns from the request): to the
+        worker that holds it, so a repeated seed finds its session; balanced when no
+        worker does; the usual answers for one that ended or whose worker exited."""
+        if self.claims.lookup(kind, key) is None and not self.recovering(now):
+            return self.balance(key)
+        return self.route(kind, key, now)
+
+    def route_close(self, kind: str, key: str, now: float) -> Decision:
+        """A close route's request, naming `key`: its holder, as any request; and, where
+        another request would be refused, the worker whose own contract answers a
+        repeated or unknown close: the one that held an ended session if it still runs,
+        else any. A session whose worker exited is still 410."""
+        claim = self.claims.lookup(kind, key)
+        if claim is None:
+            return self.route(kind, key, now) if self.recovering(now) else self.balance(key)
+        if claim.state is ClaimState.ENDED:
+            former = self.workers.get(claim.worker)
+            if former is not None and former.forwardable:
+                return Forward(former, key, former.boot)
+            return self.balance(key)
+        return self.route(kind, key, now)
 
     def _route_unknown(self, kind: str, key: str, now: float) -> Decision:
         if self.recovering(now):
@@ -234,14 +265,25 @@ class RouterCore:
     # -- worker lifecycle --------------------------------------------------
 
     def register(
-        self, worker_id: str, url: str, origin: WorkerOrigin, now: float, boot: str | None = None
+        self,
+        worker_id: str,
+        url: str,
+        origin: WorkerOrigin,
+        now: float,
+        boot: str | None = None,
+        *,
+        probed: bool = False,
     ) -> Worker:
-        """Add a worker, or bring back one the registry knew (new generation)."""
+        """Add a worker, or bring back one the registry knew (new generation).
+        `probed`: a spawned worker that never says hello, health-probed instead: it
+        takes no new session until its first probe answers (a static one is probed
+        whatever this says)."""
         worker = self.workers.get(worker_id)
         if worker is None:
             worker = Worker(worker_id, url, origin, now, boot)
             self.workers.add(worker)
             self._journal_worker(worker)
+            self._await_probe(worker, probed)
             return worker
         if worker.boot != boot or worker.state is WorkerState.EXITED:
             if worker.state is not WorkerState.EXITED:
@@ -255,7 +297,14 @@ class RouterCore:
         worker.lost_since = None
         worker.last_heard = now
         self._journal_worker(worker)
+        self._await_probe(worker, probed)
         return worker
+
+    @staticmethod
+    def _await_probe(worker: Worker, probed: bool) -> None:
+        worker.probed = probed or worker.origin is WorkerOrigin.STATIC
+        if probed:
+            worker.state = WorkerState.UNHEALTHY  # until its first probe answers
 
     def _journal_worker(self, worker: Worker) -> None:
         if worker.origin is not WorkerOrigin.STATIC:
@@ -313,7 +362,7 @@ class RouterCore:
             worker.lost_since = now
 
     def probe_result(self, worker: Worker, outcome: str, failures: int, now: float) -> bool:
-        """A static worker's health probe: 'ok', 'refused' or 'timeout'.
+        """A probed worker's health probe: 'ok', 'refused' or 'timeout'.
         `failures` counts consecutive refusals. Returns True if the state changed."""
         before = worker.state
         if outcome == "ok":
@@ -322,6 +371,11 @@ class RouterCore:
                 worker.generation += 1
             worker.state = WorkerState.LIVE
             self.mark_recovered(worker.id, now)
+        elif outcome == "refused" and worker.origin is WorkerOrigin.SPAWNED:
+            # Its process is the spawner's to judge (an exit retires it): nothing listens
+            # yet, or any more, so no new sessions meanwhile.
+            if worker.state is WorkerState.LIVE:
+                worker.state = WorkerState.UNHEALTHY
         elif outcome == "refused" and failures >= self.settings.health_failures:
             if worker.state is not WorkerState.EXITED:
                 self.retire(worker, now)
@@ -348,6 +402,7 @@ class RouterCore:
             ):
                 self.retire(worker, now)
                 result.exited.append(worker)
+        self._roll_activity_window(now)
         self.claims.expire(now)
         for claim in self.claims.expire_idle_learned(now, self.settings.learned_idle_ttl_s):
             # Journaled as a release: replayed, it must not come back held.
@@ -357,11 +412,21 @@ class RouterCore:
             result.recovery_ended = True
         return result
 
+    def _roll_activity_window(self, now: float) -> None:
+        passed = int((now - self._window_start) // ACTIVE_WINDOW_S)
+        if passed < 1:
+            return
+        self._window_start += passed * ACTIVE_WINDOW_S
+        for worker in self.workers:
+            worker.roll_window(passed)
+
     # -- claims on behalf of a worker ----------------------------------------
 
     def claim(self, worker: Worker, kind: str, key: str, now: float) -> ClaimRefusal | None:
+        fresh = self._fresh(kind, key)
         refusal = self.claims.claim(kind, key, worker.id, now)
         if refusal is None:
+            worker.recent += fresh
             self.journal.claim(kind, key, worker.id)
         elif refusal.error == "conflict":
             self.conflicts += 1
@@ -370,13 +435,24 @@ class RouterCore:
     def learn(self, worker: Worker, kind: str, key: str, now: float) -> ClaimRefusal | None:
         """A claim learned from `worker`'s reply (a seed route, an MCP session).
         A key another worker holds is not learned (counted in `learn_conflicts`)."""
+        fresh = self._fresh(kind, key)
         refusal = self.claims.claim(kind, key, worker.id, now, learned=True)
         if refusal is None:
+            worker.recent += fresh
             self.learned += 1
             self.journal.learn(kind, key, worker.id)
         else:
             self.learn_conflicts += 1
         return refusal
+
+    def _fresh(self, kind: str, key: str) -> int:
+        """1 when a claim of `key` would be its first use in this activity window."""
+        claim = self.claims.lookup(kind, key)
+        return 1 if claim is None or claim.last_used < self._window_start else 0
+
+    def learn_missed(self, kind: str) -> None:
+        """A seed reply of `kind` named no session: nothing was learned from it."""
+        self.learn_misses[kind] = self.learn_misses.get(kind, 0) + 1
 
     def link_learned(self, pairs: Iterable[tuple[str, str]]) -> None:
         """The claims `pairs` (kind, key) were learned from one reply: one session."""
@@ -412,6 +488,10 @@ class RouterCore:
 
     def session_info(self, kind: str, key: str) -> Claim | None:
         return self.claims.lookup(kind, key)
+
+
+def _worker_exited(key: str) -> Answer:
+    return Answer("worker_exited", "The worker that ran this episode is no longer running.", key)
 
 
 def _unknown_mcp_session(key: str) -> Answer:

@@ -21,7 +21,9 @@ from collections.abc import Callable, Iterator
 
 class WorkerState(enum.Enum):
     LIVE = "live"
-    UNHEALTHY = "unhealthy"  # static worker whose probes time out: no new sessions
+    # A probed worker whose probes time out, or a spawned one whose probe has not
+    # answered yet: no new sessions, its sessions go on.
+    UNHEALTHY = "unhealthy"
     LOST = "lost"  # lease gone, within the reconnect grace: still forwarded to
     EXITED = "exited"
 
@@ -47,6 +49,9 @@ class Worker:
         "lease",
         "lost_since",
         "origin",
+        "probed",
+        "recent",
+        "recent_before",
         "state",
         "url",
     )
@@ -69,6 +74,23 @@ class Worker:
         self.lost_since: float | None = None
         # The control connection that holds this worker's lease (opaque here).
         self.lease: object | None = None
+        # Health-probed (a static worker, or a spawned one that never says hello): its
+        # probes, not a lease, say whether it takes new sessions.
+        self.probed = origin is WorkerOrigin.STATIC
+        # Sessions used in the current activity window, and in the one before
+        # (RouterCore counts them; ACTIVE_WINDOW_S): what balancing weighs.
+        self.recent = 0
+        self.recent_before = 0
+
+    @property
+    def recent_sessions(self) -> int:
+        """How many of its sessions were used lately: in this activity window or the last."""
+        return self.recent + self.recent_before
+
+    def roll_window(self, windows_passed: int) -> None:
+        """A new activity window began (`windows_passed` of them since the last roll)."""
+        self.recent_before = self.recent if windows_passed == 1 else 0
+        self.recent = 0
 
     @property
     def accepts_new_sessions(self) -> bool:
@@ -116,14 +138,16 @@ class WorkerRegistry:
     def pick(
         self, held_count: Callable[[str], int], exclude: frozenset[str] = frozenset()
     ) -> Worker | None:
-        """The live, non-draining worker with the fewest claims, then the fewest
-        requests in flight, then the lowest id (so ties are deterministic)."""
+        """The live, non-draining worker with the fewest sessions used lately, then the
+        fewest requests in flight, then the fewest claims, then the lowest id (so ties
+        are deterministic). Claims nobody uses any more (a server that never closes its
+        sessions) weigh only in the last place: they are no load."""
         best: Worker | None = None
-        best_rank: tuple[int, int, str] | None = None
+        best_rank: tuple[int, int, int, str] | None = None
         for worker in self._workers.values():
             if not worker.accepts_new_sessions or worker.id in exclude:
                 continue
-            rank = (held_count(worker.id), worker.in_flight, worker.id)
+            rank = (worker.recent_sessions, worker.in_flight, held_count(worker.id), worker.id)
             if best_rank is None or rank < best_rank:
                 best, best_rank = worker, rank
         return best

@@ -143,6 +143,13 @@ class RouterMetrics:
             ("kind",),
             registry=reg,
         )
+        self._learn_misses = Counter(
+            f"{NAMESPACE}_learn_misses",
+            "Seed replies that named no session where the kind looks for one: a kind whose "
+            "config cannot learn its sessions.",
+            ("kind",),
+            registry=reg,
+        )
         self._worker_transitions = Counter(
             f"{NAMESPACE}_worker_transitions",
             "Workers entering each state (live, unhealthy, lost, exited).",
@@ -163,6 +170,7 @@ class RouterMetrics:
         kinds = [kind for kind in self._kind_labels if kind is not None]
         self._learned_children = {k: self._learned.labels(k) for k in kinds}
         self._learn_conflict_children = {k: self._learn_conflicts.labels(k) for k in kinds}
+        self._learn_miss_children = {k: self._learn_misses.labels(k) for k in kinds}
         self._transition_children = {s: self._worker_transitions.labels(s) for s in WORKER_STATES}
         self._failure_children: dict[tuple[str, str], Counter] = {}
 
@@ -183,6 +191,7 @@ class RouterMetrics:
             self._prebind_kind(kind)
             self._learned_children[kind] = self._learned.labels(kind)
             self._learn_conflict_children[kind] = self._learn_conflicts.labels(kind)
+            self._learn_miss_children[kind] = self._learn_misses.labels(kind)
 
     # -- the hot path ----------------------------------------------------------
 
@@ -265,6 +274,10 @@ class RouterMetrics:
     def learn_conflict(self, kind: str) -> None:
         """A key of `kind` in a reply was not learned: another worker holds it."""
         self._learned_child(self._learn_conflict_children, self._learn_conflicts, kind).inc()
+
+    def learn_missed(self, kind: str) -> None:
+        """A seed reply of `kind` named no session where the kind looks for one."""
+        self._learned_child(self._learn_miss_children, self._learn_misses, kind).inc()
 
     def _learned_child(self, children: dict[str, Counter], parent: Counter, kind: str) -> Counter:
         label = kind if kind in children else OTHER

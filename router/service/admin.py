@@ -116,7 +116,8 @@ async def _workers(request: web.Request) -> web.Response:
         worker_view(w, core.claims.held_count(w.id), service.worker_pid(w.id))
         for w in sorted(core.workers, key=_by_id)
     ]
-    return web.json_response({"workers": views})
+    # Seed replies that named no session, by kind: a kind whose config cannot learn.
+    return web.json_response({"workers": views, "learn_misses": dict(core.learn_misses)})
 
 
 def _by_id(worker: Worker) -> str:

@@ -1,5 +1,6 @@
 """Probing workers: a bare connect to tell 'gone' from 'busy', and HTTP health
-checks for static workers (which have no control connection to lose).
+checks for the workers with no control connection to lose: static ones, and spawned
+ones that never say hello.
 
 I/O only: outcomes go to `RouterCore.probe_result`, which decides.
 """
@@ -16,7 +17,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from router.core import RouterCore, Worker, WorkerOrigin
+from router.core import RouterCore, Worker, WorkerOrigin, WorkerState
 
 log = logging.getLogger("episode_router.health")
 
@@ -85,7 +86,13 @@ class HealthProber:
             await self._session.close()
 
     async def probe_all(self) -> None:
-        statics = [w for w in self.core.workers if w.origin is WorkerOrigin.STATIC]
+        # Static workers always (one that exited may come back); a spawned one while its
+        # process runs (the spawner registers it again when it restarts).
+        statics = [
+            w
+            for w in self.core.workers
+            if w.origin is WorkerOrigin.STATIC or (w.probed and w.state is not WorkerState.EXITED)
+        ]
         outcomes = await asyncio.gather(*(self.probe(w) for w in statics))
         now = self._clock()
         for worker, outcome in zip(statics, outcomes, strict=True):

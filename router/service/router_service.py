@@ -26,7 +26,7 @@ from aiohttp import web
 
 from router.app import PublicHandler, access_log
 from router.build import build_name
-from router.config import Config, load_config
+from router.config import Config, config_warnings, load_config
 from router.control import ControlServer, ControlSession
 from router.core import RouterCore, Worker, WorkerOrigin, WorkerState
 from router.edge import EdgeServer
@@ -54,6 +54,9 @@ from router.sessions import SessionReader
 log = logging.getLogger("episode_router")
 
 TICK_INTERVAL_S = 0.25  # lease, grace and recovery deadlines are checked this often
+# How long a failed forward to a spawned worker waits to hear whether its process exited:
+# a kill's exit is reaped in milliseconds; a live worker that failed costs its client this.
+SPAWN_EXIT_WAIT_S = 0.1
 
 
 class RouterService:
@@ -76,7 +79,7 @@ class RouterService:
         )
         self.handler = PublicHandler(
             self.core,
-            SessionReader(session_kinds(config)),
+            SessionReader(session_kinds(config), config.path_prefixes),
             self.forwarder,
             check_worker=self.check_worker,
             max_body_bytes=config.limits.max_body_bytes,
@@ -177,6 +180,8 @@ class RouterService:
                 "build": build_name(),  # the hot path compiled or pure Python
             },
         )
+        for warning in config_warnings(config):
+            log.warning("config: %s", warning)
 
     def _open_journal(self, path: str) -> None:
         """Replay the previous run's journal, then start a fresh one from the result."""
@@ -239,10 +244,12 @@ class RouterService:
     async def _start_spawner(self) -> None:
         spawn = self.config.spawn
         assert spawn is not None
+        spec = spawn_spec(spawn)
         self.spawner = Spawner(
-            spawn_spec(spawn),
+            spec,
             control_address=self.config.control.socket,
             on_exit=self._spawned_exited,
+            on_start=self._spawned_started if spec.probed else lambda spawned: None,
             secret=self.config.control.secret,
             adopted_pid=self._lease_pid,
         )
@@ -300,6 +307,15 @@ class RouterService:
         check = self.check_worker(worker, generation=worker.generation)
         self._spawn_task(check, f"check-{worker.id}")
 
+    def _spawned_started(self, spawned: SpawnedWorker) -> None:
+        """A spawned worker that never says hello started: listed from now on, probed,
+        and given new sessions once its health probe answers (a restarted one is a new
+        generation: its old sessions stay 410)."""
+        self.core.register(
+            spawned.worker_id, spawned.url, WorkerOrigin.SPAWNED, self._clock(), probed=True
+        )
+        self.prober.start()
+
     def _spawned_exited(self, spawned: SpawnedWorker, returncode: int | None) -> None:
         worker = self.core.workers.get(spawned.worker_id)
         log.warning(
@@ -333,7 +349,8 @@ class RouterService:
         together) or ValueError, before changing anything, if `new` cannot be applied."""
         plan = plan_reload(self.config, new)
         target = effective_config(self.config, new, source=self.config_path or "<reload>")
-        reader = SessionReader(session_kinds(target))  # may raise: nothing applied yet
+        # May raise: nothing is applied yet.
+        reader = SessionReader(session_kinds(target), target.path_prefixes)
         if self.spawner is not None:
             # Workers it starts from now on must say hello with the secret the control
             # policy below will check (may raise ValueError: still nothing applied).
@@ -373,11 +390,22 @@ class RouterService:
     async def check_worker(self, worker: Worker, generation: int | None = None) -> bool:
         """Probe `worker`'s address; retire it if nothing listens. True if it is gone.
         `generation`: the process generation the probe is about (default: the current)."""
-        return await check_worker(
+        about = worker.generation if generation is None else generation
+        gone = await check_worker(
             self.core,
             self.prober,
             worker,
-            generation=generation,
+            generation=about,
             connect_timeout_s=self.config.timeouts.connect_s,
             clock=self._clock,
         )
+        if gone or worker.origin is not WorkerOrigin.SPAWNED or self.spawner is None:
+            return gone
+        # A process of ours: whether it runs is ours to know. Killed a moment ago, it may
+        # still accept the probe's connect while it dies; its exit reaches the spawner
+        # within milliseconds (and retires it, through _spawned_exited).
+        if await self.spawner.exits_within(worker.id, SPAWN_EXIT_WAIT_S):
+            if worker.state is not WorkerState.EXITED and worker.generation == about:
+                self.core.retire(worker, self._clock())
+            return True
+        return False

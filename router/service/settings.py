@@ -80,11 +80,16 @@ def control_policy(config: Config, router_boot: str) -> ControlPolicy:
         allowed_upstreams=frozenset(control.allowed_upstreams),
         secret=control.secret,
         router_boot=router_boot,
-        spawned_ids=frozenset(
-            worker.worker_id
-            for worker in (plan_workers(spawn_spec(config.spawn)) if config.spawn else ())
-        ),
+        spawned_ids=_spawned_ids(config, register="hello"),
+        probed_ids=_spawned_ids(config, register="probe"),
     )
+
+
+def _spawned_ids(config: Config, *, register: str) -> frozenset[str]:
+    spawn = config.spawn
+    if spawn is None or spawn.register != register:
+        return frozenset()
+    return frozenset(worker.worker_id for worker in plan_workers(spawn_spec(spawn)))
 
 
 def spawn_spec(spawn: SpawnConfig) -> SpawnSpec:
@@ -95,6 +100,9 @@ def spawn_spec(spawn: SpawnConfig) -> SpawnSpec:
         base_port=spawn.base_port,
         host=spawn.host,
         stop_timeout_s=spawn.stop_timeout_s,
+        register=spawn.register,
+        cwd=spawn.cwd,
+        env=spawn.env,
     )
 
 

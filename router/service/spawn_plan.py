@@ -19,7 +19,7 @@ import string
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from router.config import SpawnedWorker, spawned_workers
+from router.config import SPAWN_ENV_PREFIX, SPAWN_PLACEHOLDERS, SpawnedWorker, spawned_workers
 
 __all__ = [
     "ENV_PREFIX",
@@ -34,11 +34,13 @@ __all__ = [
     "next_restart",
     "plan_workers",
     "render_command",
+    "render_cwd",
+    "render_env",
     "restart_delay",
 ]
 
-PLACEHOLDERS = ("port", "worker_id", "host")
-ENV_PREFIX = "EPISODE_ROUTER_"  # the variables this router sets; inherited ones are dropped
+PLACEHOLDERS = SPAWN_PLACEHOLDERS
+ENV_PREFIX = SPAWN_ENV_PREFIX  # the variables this router sets; inherited ones are dropped
 STABLE_RUN_S = 10.0  # a process that ran longer was not crash-looping: the backoff starts over
 FIRST_BACKOFF_S = 0.5  # the second restart in a row waits this long, then it doubles
 MAX_BACKOFF_S = 10.0  # a broken command costs one attempt per 10 s; a fixed one is back soon
@@ -61,6 +63,11 @@ class SpawnSpec:
     base_port: int
     host: str = "127.0.0.1"
     stop_timeout_s: float = 10.0
+    # "hello": the workers say hello on the control socket; "probe": they never do, and
+    # are health-probed instead.
+    register: str = "hello"
+    cwd: str | None = None  # a template, as the command's arguments are
+    env: tuple[tuple[str, str], ...] = ()  # (name, template) set for each worker
 
     def __post_init__(self) -> None:
         if not _is_int(self.count) or self.count < 1:
@@ -79,6 +86,13 @@ class SpawnSpec:
             raise ValueError(f"spawn stop_timeout_s must be positive, got {timeout!r}")
         if not math.isfinite(timeout):
             raise ValueError(f"spawn stop_timeout_s must be finite, got {timeout!r}")
+        if self.register not in ("hello", "probe"):
+            raise ValueError(f"spawn register must be hello or probe, got {self.register!r}")
+
+    @property
+    def probed(self) -> bool:
+        """The workers never say hello: the router probes their health instead."""
+        return self.register == "probe"
 
 
 def plan_workers(spec: SpawnSpec) -> tuple[SpawnedWorker, ...]:
@@ -92,7 +106,7 @@ def render_command(spec: SpawnSpec, worker: SpawnedWorker) -> list[str]:
     The template is split into arguments first and each argument is formatted
     afterwards, so a placeholder's value always stays inside the argument it
     was written in. Raises ValueError for a template that cannot be split, is
-    empty, or names anything but `{port}`, `{worker_id}` and `{host}`.
+    empty, or names anything but the placeholders (PLACEHOLDERS).
     """
     try:
         template = shlex.split(spec.command)
@@ -100,8 +114,24 @@ def render_command(spec: SpawnSpec, worker: SpawnedWorker) -> list[str]:
         raise ValueError(f"spawn command cannot be split into arguments: {exc}") from None
     if not template:
         raise ValueError("spawn command is empty")
-    values = {"port": worker.port, "worker_id": worker.worker_id, "host": spec.host}
+    values = _values(spec, worker)
     return [_render_argument(argument, values) for argument in template]
+
+
+def render_cwd(spec: SpawnSpec, worker: SpawnedWorker) -> str | None:
+    """The working directory `worker` starts in (None: the router's own)."""
+    return None if spec.cwd is None else _render_argument(spec.cwd, _values(spec, worker))
+
+
+def render_env(spec: SpawnSpec, worker: SpawnedWorker) -> dict[str, str]:
+    """The variables `spec.env` sets for `worker`, each value rendered."""
+    values = _values(spec, worker)
+    return {name: _render_argument(template, values) for name, template in spec.env}
+
+
+def _values(spec: SpawnSpec, worker: SpawnedWorker) -> dict[str, object]:
+    index = worker.port - spec.base_port
+    return {"port": worker.port, "worker_id": worker.worker_id, "host": spec.host, "index": index}
 
 
 def _render_argument(argument: str, values: Mapping[str, object]) -> str:

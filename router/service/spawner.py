@@ -44,6 +44,8 @@ from router.service.spawn_plan import (
     next_restart,
     plan_workers,
     render_command,
+    render_cwd,
+    render_env,
     restart_delay,
 )
 
@@ -63,6 +65,8 @@ __all__ = [
     "next_restart",
     "plan_workers",
     "render_command",
+    "render_cwd",
+    "render_env",
     "restart_delay",
 ]
 
@@ -90,6 +94,7 @@ class Spawner:
         *,
         control_address: str,
         on_exit: Callable[[SpawnedWorker, int | None], None],
+        on_start: Callable[[SpawnedWorker], None] = lambda worker: None,
         extra_env: Mapping[str, str] | None = None,
         secret: str | None = None,
         adopted_pid: Callable[[str], int | None] = lambda worker_id: None,
@@ -98,11 +103,14 @@ class Spawner:
         self.spec = spec
         self.workers = plan_workers(spec)
         self._on_exit = on_exit
+        self._on_start = on_start
         # The pid of a worker adopted from a previous run (we have no Process for it),
         # from its control connection; the last one seen, for when that is down.
         self._adopted_pid = adopted_pid
         self._adopted_seen: dict[str, int] = {}
         self._argv = {w.worker_id: render_command(spec, w) for w in self.workers}
+        self._cwd = {w.worker_id: render_cwd(spec, w) for w in self.workers}
+        self._env = {w.worker_id: render_env(spec, w) for w in self.workers}
         self._control_address = control_address
         self._extra_env = dict(extra_env or {})
         self._inherited = dict(os.environ)  # the router's environment when it started
@@ -142,6 +150,19 @@ class Spawner:
         """Return the pid of the worker's running process, or None (not running, or unknown)."""
         proc = self._procs.get(worker_id)
         return proc.pid if proc is not None and proc.returncode is None else None
+
+    async def exits_within(self, worker_id: str, timeout_s: float) -> bool:
+        """True when the worker's process has exited, or exits within `timeout_s`: the
+        spawner, its parent, is the authority on whether it runs (a process killed a
+        moment ago may still accept a connection while it dies)."""
+        proc = self._procs.get(worker_id)
+        if proc is None or proc.returncode is not None:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.shield(proc.wait()), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     async def stop(self) -> None:
         """Stop every worker: SIGTERM to its process group, SIGKILL after stop_timeout_s.
@@ -184,14 +205,16 @@ class Spawner:
             return None, time.monotonic()  # stopped while adopting: start nothing
         argv = self._argv[worker.worker_id]
         # Built at each launch, not once: a restart after a reload gets the current secret.
+        extra = {**self._extra_env, **self._env[worker.worker_id]}
         env = child_env(
-            worker, self._control_address, self._secret, self._extra_env, inherited=self._inherited
+            worker, self._control_address, self._secret, extra, inherited=self._inherited
         )
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=subprocess.DEVNULL,
                 env=env,
+                cwd=self._cwd[worker.worker_id],
                 start_new_session=True,
             )
         except (OSError, subprocess.SubprocessError) as exc:
@@ -199,6 +222,7 @@ class Spawner:
             return None, time.monotonic()
         self._procs[worker.worker_id] = proc
         logger.info("spawn: worker %s started, pid %d", worker.worker_id, proc.pid)
+        self._on_start(worker)
         return proc, time.monotonic()
 
     async def _adopt_while_listening(

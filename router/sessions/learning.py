@@ -1,10 +1,13 @@
 """Learning claims from replies, for workers that never speak on the control socket.
 
-A seed route's 2xx reply teaches the router the session it created (from
-Set-Cookie, a reply header, or a JSON pointer into a small body); a close
-route's 2xx reply ends one; every reply on the MCP path that carries
-`Mcp-Session-Id` teaches that session, and a 2xx answer to DELETE there ends
-it (design §4, §7).
+A seed route's 2xx reply teaches the router the session it created: from
+Set-Cookie, a reply header, or a JSON pointer into a small body (the first of a
+kind's places that the reply carries), or, for a kind whose seed names its own
+session, the key the request named. A close route's 2xx reply ends one (a key the
+router never knew is remembered as ended); every reply on the MCP path that
+carries `Mcp-Session-Id` teaches that session, and a 2xx answer to DELETE there
+ends it (design §4, §7). A seed reply that names no session a kind learns from is
+counted and logged: a config that cannot work is loud.
 
 `plan_learning` decides, from the request alone, whether a reply needs
 watching at all, so requests that cannot teach anything (every episode-token
@@ -37,6 +40,7 @@ class LearningCounts(Protocol):
 
     def learned(self, kind: str) -> None: ...
     def learn_conflict(self, kind: str) -> None: ...
+    def learn_missed(self, kind: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +51,10 @@ class LearningPlan:
     close: SessionRef | None = None  # the session a close route ends
     mcp: SessionKind | None = None  # the MCP kind, when the request is on its path
     mcp_release: str | None = None  # the Mcp-Session-Id a DELETE ends
+    named: tuple[SessionRef, ...] = ()  # sessions the seed request names itself
 
     def __bool__(self) -> bool:
-        return bool(self.seed or self.close or self.mcp)
+        return bool(self.seed or self.close or self.mcp or self.named)
 
 
 def plan_learning(
@@ -60,9 +65,11 @@ def plan_learning(
     seeding: frozenset[str],
     headers: Headers,
     now: float,
+    body: bytes | None = None,
 ) -> LearningPlan:
-    """What to watch in the reply to `method path`, which named session `found`; `now`
-    (wall-clock seconds) reads a close route's own session (read_kind)."""
+    """What to watch in the reply to `method path` (the route path), which named
+    session `found`; `now` (wall-clock seconds) and the request's `body` (when it was
+    read) read a kind's own source where a stronger one decided (read_kind)."""
     seed = tuple(reader.by_name[name] for name in sorted(seeding))
     close = None
     if found is not None:
@@ -75,10 +82,19 @@ def plan_learning(
         # is named by the kind's own source, as an MCP DELETE's is by its header.
         for kind in reader.kinds:
             if kind.close is not None and kind.close.matches(method, path):
-                own = reader.read_kind(kind, headers, now)
+                own = reader.read_kind(kind, headers, now, body=body, path=path)
                 if isinstance(own, SessionRef):
                     close = own
                     break
+    named: list[SessionRef] = []
+    for kind in reader.kinds:
+        if kind.names_own_seed and kind.seed is not None and kind.seed.matches(method, path):
+            if found is not None and found.kind == kind.name:
+                named.append(found)
+            else:
+                own = reader.read_kind(kind, headers, now, body=body, path=path)
+                if isinstance(own, SessionRef):
+                    named.append(own)
     mcp = next((k for k in reader.kinds if k.mcp_path is not None and k.mcp_path == path), None)
     mcp_release = None
     if mcp is not None and method == "DELETE":
@@ -91,7 +107,7 @@ def plan_learning(
                 mcp_release = mcp_session_key(values[0])
             except FormatError:
                 mcp_release = None
-    return LearningPlan(seed, close, mcp, mcp_release)
+    return LearningPlan(seed, close, mcp, mcp_release, tuple(named))
 
 
 class ReplyLearner:
@@ -136,33 +152,44 @@ class ReplyLearner:
             return 0
         if plan.close is not None:
             self._core.release_learned(self._worker, plan.close.kind, plan.close.key, self._clock())
+        for named in plan.named:
+            self._learn_key(named.kind, named.key)
         for kind in plan.seed:
-            learn = kind.learn
-            if learn is None:
-                continue
-            if learn.json_pointer is not None:
-                self._pending.append(kind)
-            elif learn.cookie is not None:
-                cookie = set_cookie_value(set_cookies, learn.cookie, now=self._wall_clock())
-                self._learn(kind, cookie)
-            elif learn.header is not None:
-                self._learn(kind, headers.get(learn.header))
+            value = self._from_head(kind, headers, set_cookies)
+            if value is None and any(place.json_pointer is not None for place in kind.learn):
+                self._pending.append(kind)  # its places in the body, once that is in
+            else:
+                self._learn(kind, value)
         return MAX_LEARN_BODY_BYTES if self._pending else 0
+
+    def _from_head(
+        self, kind: SessionKind, headers: Mapping[str, str], set_cookies: list[str]
+    ) -> str | None:
+        """The first of `kind`'s places in the reply's head (a cookie, a header) that
+        holds a value; the body's places are read after the head's."""
+        for place in kind.learn:
+            value = None
+            if place.cookie is not None:
+                value = set_cookie_value(set_cookies, place.cookie, now=self._wall_clock())
+            elif place.header is not None:
+                value = headers.get(place.header)
+            if value:
+                return value
+        return None
 
     def body(self, data: bytes) -> None:
         try:
             document = json.loads(data)
         except (ValueError, RecursionError):
-            log.info("seed reply is not JSON: nothing learned", extra={"worker": self._worker.id})
+            log.warning(
+                "seed reply is not JSON: nothing learned",
+                extra={"worker": self._worker.id, "kinds": [k.name for k in self._pending]},
+            )
+            for kind in self._pending:
+                self._missed(kind)
             return
         for kind in self._pending:
-            assert kind.learn is not None and kind.learn.json_pointer is not None
-            try:
-                value = json_pointer(document, kind.learn.json_pointer)
-            except LookupError:
-                value = None
-            usable = isinstance(value, str | int) and not isinstance(value, bool)
-            self._learn(kind, str(value) if usable else None)
+            self._learn(kind, _first_pointer(kind, document))
 
     def _learn_mcp(self, kind: SessionKind, headers: Mapping[str, str], ok: bool) -> None:
         plan = self._plan
@@ -174,9 +201,7 @@ class ReplyLearner:
 
     def _learn(self, kind: SessionKind, value: str | None) -> None:
         if not value:
-            log.info(
-                "seed reply named no session", extra={"kind": kind.name, "worker": self._worker.id}
-            )
+            self._missed(kind)
             return
         try:
             key = session_key(kind, value, self._wall_clock())
@@ -186,23 +211,54 @@ class ReplyLearner:
                 extra={"kind": kind.name, "worker": self._worker.id, "error": exc.code},
             )
             return
-        refusal = self._core.learn(self._worker, kind.name, key, self._clock())
+        self._learn_key(kind.name, key)
+
+    def _missed(self, kind: SessionKind) -> None:
+        """A seed reply named no session where `kind` looks: with the config as it is,
+        this kind never routes (design §4)."""
+        route = f"{kind.seed.method} {kind.seed.path}" if kind.seed is not None else None
+        log.warning(
+            "seed reply named no session",
+            extra={"kind": kind.name, "route": route, "worker": self._worker.id},
+        )
+        self._core.learn_missed(kind.name)
+        if self._metrics is not None:
+            self._metrics.learn_missed(kind.name)
+
+    def _learn_key(self, kind_name: str, key: str) -> None:
+        refusal = self._core.learn(self._worker, kind_name, key, self._clock())
         if refusal is not None:
             # design §4: a learned key another worker holds is not learned: counted, logged.
+            # The key this very worker holds (a repeated seed) is no refusal.
             log.warning(
                 "learned claim refused",
                 extra={
-                    "kind": kind.name,
+                    "kind": kind_name,
                     "worker": self._worker.id,
                     "error": refusal.error,
                     "holder": refusal.holder,
                 },
             )
             if self._metrics is not None:
-                self._metrics.learn_conflict(kind.name)
+                self._metrics.learn_conflict(kind_name)
             return
         if self._metrics is not None:
-            self._metrics.learned(kind.name)
-        self._taught.append((kind.name, key))
+            self._metrics.learned(kind_name)
+        self._taught.append((kind_name, key))
         if len(self._taught) > 1:
             self._core.link_learned(self._taught)
+
+
+def _first_pointer(kind: SessionKind, document: object) -> str | None:
+    """The value at the first of `kind`'s JSON pointers that the reply's body has, as
+    a string (a number is a key too); None when none has one."""
+    for place in kind.learn:
+        if place.json_pointer is None:
+            continue
+        try:
+            value = json_pointer(document, place.json_pointer)
+        except LookupError:
+            continue
+        if isinstance(value, str | int) and not isinstance(value, bool) and value != "":
+            return str(value)
+    return None

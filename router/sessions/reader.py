@@ -4,16 +4,19 @@
 each source in the configured order:
 
 1. JWS or raw header tokens;
-2. cookies;
-3. itsdangerous header tokens and `Mcp-Session-Id`;
+2. itsdangerous header tokens and `Mcp-Session-Id`;
+3. cookies;
 4. JSON body fields;
 5. paths.
 
-The first source that is present decides on its own, even when its value is
-invalid: the router never falls through to a weaker source. A session header
-(or cookie) repeated with different values is `ambiguous_session`. A request
-to a kind's seed route ignores that kind's own source, so a stale cookie never
-pins a new session.
+Headers come before cookies: a client sets a header for the request it sends, where
+a cookie may be one a jar kept from any earlier reply. The first source that is
+present decides on its own, even when its value is invalid: the router never falls
+through to a weaker source. A session header (or cookie) repeated with different
+values is `ambiguous_session`. A request to a kind's seed route ignores that kind's
+own source, so a stale cookie never pins a new session, unless the kind learns from
+the request (the caller names the session it seeds). Routes, the MCP path and path
+kinds match the path behind a prefix the workers strip (`path_prefixes`).
 
 Pure: no aiohttp, no clock reads. The body is read by the caller (only when a
 body kind could decide) and handed in as bytes.
@@ -32,6 +35,7 @@ from router.config import (
     SessionKindConfig,
     SignatureConfig,
     compile_path_pattern,
+    compile_path_prefix,
 )
 from router.core import Answer
 from router.sessions.formats import (
@@ -78,14 +82,21 @@ class SessionKind:
     mcp_path: str | None = None
     seed: Route | None = None
     close: Route | None = None
-    learn: LearnConfig | None = None
+    # Where a seed's key is found: places in the reply, the first that has it winning,
+    # or the request itself (`names_own_seed`).
+    learn: tuple[LearnConfig, ...] = ()
 
     @property
     def precedence(self) -> int:
         """The contract's source order (lower reads first)."""
         if self.source == "header":
-            return 3 if self.format == "itsdangerous" else 1
-        return {"cookie": 2, "mcp": 3, "body_field": 4, "path": 5}[self.source]
+            return 2 if self.format == "itsdangerous" else 1
+        return {"mcp": 2, "cookie": 3, "body_field": 4, "path": 5}[self.source]
+
+    @property
+    def names_own_seed(self) -> bool:
+        """Its seed request names the session it starts (`learn: request`)."""
+        return any(place.request for place in self.learn)
 
     @property
     def not_found_code(self) -> str:
@@ -100,7 +111,7 @@ def kind_from_config(config: SessionKindConfig) -> SessionKind:
         source=config.source,
         seed=_route(config.seed),
         close=_route(config.close),
-        learn=config.seed.learn if config.seed is not None else None,
+        learn=config.seed.learn if config.seed is not None else (),
     )
     if config.cookie is not None:
         cookie = config.cookie
@@ -167,8 +178,9 @@ class _Ordered:
 class SessionReader:
     """Reads the session a request names, in the contract's order."""
 
-    def __init__(self, kinds: Sequence[SessionKind]) -> None:
+    def __init__(self, kinds: Sequence[SessionKind], path_prefixes: Sequence[str] = ()) -> None:
         self.kinds = tuple(kinds)
+        self._prefixes = tuple(compile_path_prefix(prefix) for prefix in path_prefixes)
         self.by_name = {kind.name: kind for kind in self.kinds}
         ordered = sorted(self.kinds, key=lambda kind: kind.precedence)  # stable: config order
         self._order = _Ordered()
@@ -197,15 +209,49 @@ class SessionReader:
             kind.seed is not None or kind.close is not None or kind.mcp_path is not None
             for kind in self.kinds
         )
+        # Whether any route or path is matched: the route path is worked out only then.
+        self.routes = self.learns or self.reads_paths
 
     @property
     def reads_bodies(self) -> bool:
         return bool(self._order.body)
 
+    def route_path(self, path: str) -> str:
+        """The path routes are matched on: behind the first prefix the workers strip
+        that `path` starts with, else `path` itself."""
+        for rest in self._prefixes:
+            behind = rest(path)
+            if behind is not None:
+                return behind
+        return path
+
     def seeding(self, method: str, path: str) -> frozenset[str]:
-        """The kinds whose seed route this request is (their own source is ignored)."""
+        """The kinds whose seed route this request is and whose own source it ignores
+        (all but those whose seed names its own session). `path`: the route path."""
         return frozenset(
-            kind.name for kind in self.kinds if kind.seed and kind.seed.matches(method, path)
+            kind.name
+            for kind in self.kinds
+            if kind.seed and kind.seed.matches(method, path) and not kind.names_own_seed
+        )
+
+    def route_of(self, kind_name: str, method: str, path: str) -> str:
+        """How a request naming a session of `kind_name` is routed: "close" on that
+        kind's close route, "seed" on its seed route when the seed names its own
+        session, "session" otherwise. `path`: the route path."""
+        kind = self.by_name[kind_name]
+        if kind.close is not None and kind.close.matches(method, path):
+            return "close"
+        if kind.seed is not None and kind.names_own_seed and kind.seed.matches(method, path):
+            return "seed"
+        return "session"
+
+    def wants_body(self, method: str, path: str) -> bool:
+        """A body kind's seed or close route: its body is read whatever decided the
+        request, for the session the seed names or the close ends."""
+        return any(
+            (kind.seed is not None and kind.seed.matches(method, path))
+            or (kind.close is not None and kind.close.matches(method, path))
+            for kind in self._order.body
         )
 
     def read_head(
@@ -227,13 +273,25 @@ class SessionReader:
         return None
 
     def read_kind(
-        self, kind: SessionKind, headers: Headers, now: float
+        self,
+        kind: SessionKind,
+        headers: Headers,
+        now: float,
+        *,
+        body: bytes | None = None,
+        path: str | None = None,
     ) -> SessionRef | Answer | None:
-        """`kind`'s own source in the head (its header or cookie) read as read_head reads
-        it, whatever stronger source decided the request; None for a kind read from the
-        body or the path, or when the request does not carry it."""
-        if kind not in self._order.head:
-            return None
+        """`kind`'s own source read as the reading of a request reads it, whatever
+        stronger source decided the request: its header or cookie, its field of `body`
+        (when the body was read), its segment of `path` (the route path); None when the
+        request does not carry it."""
+        if kind.source == "body_field":
+            if body is None:
+                return None
+            document = _json_document(body)
+            return None if document is None else _field(kind, document, len(body))
+        if kind.source == "path":
+            return None if path is None else _path_key(kind, path)
         if kind.source == "cookie":
             values = parse_cookie_header(headers.getall("Cookie", [])).get(kind.cookie or "", [])
         else:
@@ -247,40 +305,25 @@ class SessionReader:
         (or has it null), names no session: it is the worker's to judge. A field that
         is present decides, like any source: a value that cannot be a key is
         `invalid_token`, never a fall-through to the path."""
-        try:
-            document = json.loads(body)
-        except (ValueError, RecursionError):
+        document = _json_document(body)
+        if document is None:
             return None
         for kind in self._order.body:
-            if kind.name in skip or kind.pointer is None or len(body) > kind.max_body_bytes:
+            if kind.name in skip:
                 continue
-            try:
-                value = json_pointer(document, kind.pointer)
-            except LookupError:
-                continue
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, str | int):
-                detail = f"The body field {kind.pointer} is not a key."
-                return Answer("invalid_token", detail, kind=kind.name)
-            try:
-                return SessionRef(kind.name, raw_session_key(str(value)))
-            except FormatError as exc:
-                return Answer(exc.code, exc.detail, kind=kind.name)
+            found = _field(kind, document, len(body))
+            if found is not None:
+                return found
         return None
 
     def read_path(self, path: str, skip: frozenset[str] = frozenset()) -> SessionRef | None:
-        """Source 5: a path pattern."""
+        """Source 5: a path pattern (on the route path)."""
         for kind in self._order.path:
-            if kind.name in skip or kind.path_match is None:
+            if kind.name in skip:
                 continue
-            segment = kind.path_match(path)
-            if segment is None:
-                continue
-            try:
-                return SessionRef(kind.name, raw_session_key(segment))
-            except FormatError:
-                continue  # not a key this router could ever hold: no session
+            found = _path_key(kind, path)
+            if found is not None:
+                return found
         return None
 
     def _decide(self, kind: SessionKind, values: list[str], now: float) -> SessionRef | Answer:
@@ -304,6 +347,48 @@ class SessionReader:
             # see `T, T`: it gets one line (a cookie header holds other cookies: as is).
             return SessionRef(kind.name, key, values[0])
         return SessionRef(kind.name, key)
+
+
+def _json_document(body: bytes) -> object | None:
+    """The parsed body; None for one that is not JSON (it names no session)."""
+    try:
+        document: object = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return document
+
+
+def _field(kind: SessionKind, document: object, size: int) -> SessionRef | Answer | None:
+    """The session `kind`'s body field names in `document` (a body of `size` bytes)."""
+    if kind.pointer is None or size > kind.max_body_bytes:
+        return None
+    try:
+        value = json_pointer(document, kind.pointer)
+    except LookupError:
+        return None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        detail = f"The body field {kind.pointer} is not a key."
+        return Answer("invalid_token", detail, kind=kind.name)
+    try:
+        return SessionRef(kind.name, raw_session_key(str(value)))
+    except FormatError as exc:
+        return Answer(exc.code, exc.detail, kind=kind.name)
+
+
+def _path_key(kind: SessionKind, path: str) -> SessionRef | None:
+    """The session `kind`'s path pattern names in `path`, if it is one this router could
+    ever hold."""
+    if kind.path_match is None:
+        return None
+    segment = kind.path_match(path)
+    if segment is None:
+        return None
+    try:
+        return SessionRef(kind.name, raw_session_key(segment))
+    except FormatError:
+        return None  # not a key this router could ever hold: no session
 
 
 def _list_items(values: list[str]) -> list[str]:

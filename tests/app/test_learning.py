@@ -417,8 +417,10 @@ async def test_a_closed_cookie_session_is_episode_ended(rig: Rig) -> None:
     assert first.sid not in workers[first.worker].sessions
     after = await rig.request("POST", "/tools/add", headers=first.with_cookie)
     after.assert_answer(410, "episode_ended", first.sid)
+    # A repeated close reaches the worker that held the session: its own contract
+    # answers (this one's: 409), not the router's 410 (design §4).
     again = await rig.request("POST", "/close_session", headers=first.with_cookie)
-    again.assert_answer(410, "episode_ended", first.sid)
+    assert (again.status, again.json()["worker"]) == (409, first.worker)
     assert_tool_reply(
         await rig.request("POST", "/tools/add", headers=second.with_cookie), second, 1
     )
@@ -538,14 +540,30 @@ async def test_a_token_for_a_session_no_seed_taught_is_refused(rig: Rig) -> None
     garbage.assert_answer(401, "invalid_token", None)
 
 
-async def test_an_invalid_cookie_decides_even_beside_a_valid_token(rig: Rig) -> None:
+async def test_a_session_token_decides_beside_a_cookie_a_jar_kept(rig: Rig) -> None:
+    """design §4: a header the client sets outranks a cookie: the MCP SDK's default
+    client keeps whatever cookie a reply set (NeMo Gym's sets a new session's on every
+    reply to a request without one) and sends it beside the session token."""
+    await start(rig, 2, NEMO)
+    sessions = [await seed(rig), await seed(rig)]
+    assert {s.worker for s in sessions} == {"w0", "w1"}
+    for session in sessions:
+        for jar_cookie in ("not-a-session-cookie", session_cookie("a-session-nobody-seeded")):
+            headers = {"Cookie": f"{COOKIE}={jar_cookie}", **session.with_token}
+            reply = await rig.request("POST", "/tools/add", headers=headers)
+            # Routed by the token to its worker (which reads the cookie: it answers
+            # for itself), never refused by the router for the unknown cookie.
+            assert reply.json()["worker"] == session.worker, reply.body
+
+
+async def test_an_invalid_token_decides_even_beside_a_valid_cookie(rig: Rig) -> None:
     workers = await start(rig, 2, NEMO)
     session = await seed(rig)
-    headers = {"Cookie": f"{COOKIE}=not-a-session-cookie", **session.with_token}
+    headers = {**session.with_cookie, "X-NeMo-Gym-Session-Token": "not-a-token"}
 
     reply = await rig.request("POST", "/tools/add", headers=headers)
 
-    reply.assert_answer(401, "invalid_token", None)  # never routed by the weaker token
+    reply.assert_answer(401, "invalid_token", None)  # never routed by the weaker cookie
     assert workers[session.worker].sessions[session.sid] == 0
 
 

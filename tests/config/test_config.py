@@ -60,7 +60,9 @@ ADMIN_TOKEN = "admin-token-0123456789"
 
 EPISODE = SessionKindConfig("episode", "X-NeMo-Gym-Episode-Token", TokenFormatConfig("jws"))
 RESOURCES_COOKIE = "ResourcesServer___resources"
+NEMO_GYM_COOKIE = "SimpleWeatherResourcesServer___single_tool"  # the example file's
 MCP_POINTER = "/mcp/headers/X-NeMo-Gym-Session-Token"
+ENV_MCP_POINTER = "/resources_tools/headers/X-NeMo-Gym-Session-Token"
 
 # Every default written out literally, so a changed default fails here.
 DEFAULTS = Config(
@@ -156,15 +158,22 @@ def test_example_file_parses_to_its_documented_values() -> None:
             EPISODE,
             SessionKindConfig(
                 "resources",
-                cookie=CookieSourceConfig(RESOURCES_COOKIE, "starlette", "session_id"),
-                seed=RouteConfig("POST", "/seed_session", LearnConfig(cookie=RESOURCES_COOKIE)),
+                cookie=CookieSourceConfig(NEMO_GYM_COOKIE, "starlette", "session_id"),
+                seed=RouteConfig("POST", "/seed_session", (LearnConfig(cookie=NEMO_GYM_COOKIE),)),
                 close=RouteConfig("POST", "/close_session"),
             ),
             SessionKindConfig(
                 "mcp_token",
                 "X-NeMo-Gym-Session-Token",
                 TokenFormatConfig("itsdangerous", "sid"),
-                seed=RouteConfig("POST", "/seed_session", LearnConfig(json_pointer=MCP_POINTER)),
+                seed=RouteConfig(
+                    "POST",
+                    "/seed_session",
+                    (
+                        LearnConfig(json_pointer=ENV_MCP_POINTER),
+                        LearnConfig(json_pointer=MCP_POINTER),
+                    ),
+                ),
             ),
             SessionKindConfig("mcp_session", mcp=McpSourceConfig("/mcp", "Mcp-Session-Id")),
             SessionKindConfig(
@@ -374,7 +383,7 @@ def test_nemo_gym_kinds_with_edge_verification() -> None:
             unclaimed: forward
     """
     config = parse(text, {"GYM_SECRET": STARLETTE_SECRET}, {"/secrets/gym": b"gym-key\n"})
-    seed = RouteConfig("POST", "/seed_session", LearnConfig(cookie=RESOURCES_COOKIE))
+    seed = RouteConfig("POST", "/seed_session", (LearnConfig(cookie=RESOURCES_COOKIE),))
     assert config.sessions == (
         EPISODE,
         SessionKindConfig(
@@ -394,7 +403,7 @@ def test_nemo_gym_kinds_with_edge_verification() -> None:
                 None,
                 SignatureConfig(b"gym-key", None, "nemo-gym-mcp-session-token"),
             ),
-            seed=RouteConfig("POST", "/seed_session", LearnConfig(json_pointer=MCP_POINTER)),
+            seed=RouteConfig("POST", "/seed_session", (LearnConfig(json_pointer=MCP_POINTER),)),
         ),
         SessionKindConfig("mcp_session", mcp=McpSourceConfig(), unclaimed="forward"),
     )
@@ -446,12 +455,12 @@ def test_seed_learn_defaults_are_filled_in() -> None:
     )
     seeds = [kind.seed for kind in parse(text).sessions]
     assert seeds == [
-        RouteConfig("POST", "/seed", LearnConfig(cookie="sid")),
-        RouteConfig("PUT", "/chat", LearnConfig(header="X-Chat")),
-        RouteConfig("POST", "/seed", LearnConfig(header="X-Jws")),
-        RouteConfig("POST", "/seed", LearnConfig(json_pointer="/id")),
-        RouteConfig("POST", "/r", LearnConfig(header="X_Id")),
-        RouteConfig("POST", "/seed", LearnConfig(cookie="other")),
+        RouteConfig("POST", "/seed", (LearnConfig(cookie="sid"),)),
+        RouteConfig("PUT", "/chat", (LearnConfig(header="X-Chat"),)),
+        RouteConfig("POST", "/seed", (LearnConfig(header="X-Jws"),)),
+        RouteConfig("POST", "/seed", (LearnConfig(json_pointer="/id"),)),
+        RouteConfig("POST", "/r", (LearnConfig(header="X_Id"),)),
+        RouteConfig("POST", "/seed", (LearnConfig(cookie="other"),)),
     ]
 
 
@@ -481,14 +490,20 @@ def test_the_example_file_commented_kinds_parse() -> None:
     assert by_name["rollout"] == SessionKindConfig(
         "rollout",
         body_field=BodyFieldConfig("/session_id", 65536),
-        seed=RouteConfig("POST", "/rollouts", LearnConfig(json_pointer="/session_id")),
+        seed=RouteConfig("POST", "/rollouts", (LearnConfig(json_pointer="/session_id"),)),
     )
     assert by_name["rollout_path"] == SessionKindConfig(
         "rollout_path",
         path=PathSourceConfig("/rollouts/{key}/stop"),
-        seed=RouteConfig("POST", "/rollouts", LearnConfig(header="X-Rollout-Id")),
+        seed=RouteConfig("POST", "/rollouts", (LearnConfig(header="X-Rollout-Id"),)),
     )
-    assert len(config.sessions) == 7
+    assert by_name["resources_session"] == SessionKindConfig(
+        "resources_session",
+        body_field=BodyFieldConfig("/resources_session_id", 65536),
+        seed=RouteConfig("POST", "/seed_session", (LearnConfig(request=True),)),
+        close=RouteConfig("POST", "/close_session"),
+    )
+    assert len(config.sessions) == 8
 
 
 def test_default_kind_keeps_its_old_shape() -> None:
@@ -516,7 +531,8 @@ class Bad(NamedTuple):
 
 
 TOP_KEYS = (
-    "listen, admin, control, workers, health, spawn, sessions, claims, state, limits, timeouts, log"
+    "listen, admin, control, workers, health, spawn, sessions, path_prefixes, claims, state, "
+    "limits, timeouts, log"
 )
 
 
@@ -757,6 +773,62 @@ BAD: dict[str, Bad] = {
     ),
     "spawn positional placeholder": Bad(
         "spawn: {command: 'srv {port} {}'}", "spawn.command", "placeholder {}"
+    ),
+    "spawn register": Bad(
+        "spawn: {command: 'srv {port}', register: never}", "spawn.register", "hello, probe"
+    ),
+    "spawn env not a mapping": Bad(
+        "spawn: {command: 'srv {port}', env: [A]}", "spawn.env", "expected a mapping"
+    ),
+    "spawn env name": Bad(
+        "spawn: {command: 'srv {port}', env: {'A-B': x}}", "spawn.env.A-B", "variable name"
+    ),
+    "spawn env router's own": Bad(
+        "spawn: {command: 'srv {port}', env: {EPISODE_ROUTER_X: x}}",
+        "spawn.env.EPISODE_ROUTER_X",
+        "set by the router itself",
+    ),
+    "spawn env placeholder": Bad(
+        "spawn: {command: 'srv {port}', env: {A: '{home}'}}", "spawn.env.A", "unknown placeholder"
+    ),
+    "spawn env value not text": Bad(
+        "spawn: {command: 'srv {port}', env: {A: 1}}", "spawn.env.A", "non-empty string"
+    ),
+    "spawn cwd placeholder": Bad(
+        "spawn: {command: 'srv {port}', cwd: '/w/{home}'}", "spawn.cwd", "unknown placeholder"
+    ),
+    "spawn empty command": Bad(
+        "spawn: {command: ' ', env: {P: '{port}'}}", "spawn.command", "no program"
+    ),
+    # path prefixes
+    "path prefix not a list": Bad("path_prefixes: /ng", "path_prefixes", "expected a list"),
+    "path prefix relative": Bad(
+        "path_prefixes: ['ng/{id}']", "path_prefixes[0]", "starts with '/'"
+    ),
+    "path prefix placeholder only": Bad(
+        "path_prefixes: ['/{id}']", "path_prefixes[0]", "needs a literal segment"
+    ),
+    "path prefix partial placeholder": Bad(
+        "path_prefixes: ['/ng-{id}']", "path_prefixes[0]", "whole-segment"
+    ),
+    "path prefix twice": Bad(
+        "path_prefixes: ['/a/{x}', '/a/{x}']", "path_prefixes[1]", "listed twice"
+    ),
+    # learn places
+    "learn not request": Bad(
+        "sessions: [{name: r, body_field: id, seed: {method: POST, path: /s, learn: reply}}]",
+        "sessions[0].seed.learn",
+        "expected request",
+    ),
+    "learn empty list": Bad(
+        "sessions: [{name: r, body_field: id, seed: {method: POST, path: /s, learn: []}}]",
+        "sessions[0].seed.learn",
+        "learns nothing",
+    ),
+    "learn list item": Bad(
+        "sessions: [{name: r, body_field: id, seed: {method: POST, path: /s, learn: [{x: 1}]}}]",
+        "sessions[0].seed.learn[0].x",
+        "unknown key",
     ),
     "spawn attribute placeholder": Bad(
         "spawn: {command: 'srv {port.real}'}", "spawn.command", "{port.real}"
@@ -1450,3 +1522,57 @@ def test_load_config_unreadable_path(tmp_path: Path, name: str) -> None:
         load_config(path)
     assert (info.value.source, info.value.key_path) == (str(path), "(file)")
     assert str(info.value).startswith(f"{path}: (file): cannot read: ")
+
+
+def test_spawn_runs_servers_that_never_say_hello_with_their_env_and_folder() -> None:
+    config = parse(
+        """
+        spawn:
+          command: /venv/bin/python app.py
+          cwd: /srv/{worker_id}
+          count: 2
+          register: probe
+          env:
+            NAME: server-{index}
+            CONFIG: |
+              port: {port}
+        """
+    )
+    assert config.spawn == SpawnConfig(
+        "/venv/bin/python app.py",
+        2,
+        9001,
+        register="probe",
+        cwd="/srv/{worker_id}",
+        env=(("NAME", "server-{index}"), ("CONFIG", "port: {port}\n")),
+    )
+    assert parse("spawn: {command: 'srv --port {port}'}").spawn == SpawnConfig("srv --port {port}")
+
+
+def test_path_prefixes_and_learn_places() -> None:
+    config = parse(
+        """
+        path_prefixes: ["/ng-rollout/{rollout_id}", /v1]
+        sessions:
+          - name: token
+            header: X-Token
+            token: {format: raw}
+            seed:
+              method: POST
+              path: /seed
+              learn: [{json_pointer: /a/token}, {json_pointer: /b/token}, {header: X-Token}]
+          - name: named
+            body_field: id
+            seed: {method: POST, path: /seed, learn: request}
+            close: {method: POST, path: /close}
+        """
+    )
+    assert config.path_prefixes == ("/ng-rollout/{rollout_id}", "/v1")
+    token, named = config.sessions
+    assert token.seed is not None and token.seed.learn == (
+        LearnConfig(json_pointer="/a/token"),
+        LearnConfig(json_pointer="/b/token"),
+        LearnConfig(header="X-Token"),
+    )
+    assert named.seed is not None and named.seed.learn == (LearnConfig(request=True),)
+    assert named.seed.learns_from_request and not token.seed.learns_from_request

@@ -10,7 +10,13 @@ from dataclasses import replace
 
 from router.core.answers import Answer
 from router.core.claims import ClaimRefusal, SyncResult
-from router.core.machine import MAX_EXITED_WORKERS, CoreSettings, Forward, RouterCore
+from router.core.machine import (
+    ACTIVE_WINDOW_S,
+    MAX_EXITED_WORKERS,
+    CoreSettings,
+    Forward,
+    RouterCore,
+)
 from router.core.workers import WorkerOrigin
 from tests.playbook import (
     CONFLICTS,
@@ -617,3 +623,38 @@ def test_only_the_latest_exited_workers_are_kept_and_their_sessions_stay_410() -
     core.retire(back, 5.0)
     assert "c10" in {w.id for w in core.workers}
     assert "c11" not in {w.id for w in core.workers}  # the longest exited went instead
+
+
+def test_balancing_weighs_sessions_used_lately_not_claims_nobody_uses() -> None:
+    """design §4: a server that never closes keeps its claims for learned_idle_ttl_s;
+    after a worker restarts, new sessions follow what is in use, and the restarted
+    worker is not flooded for holding no old claims."""
+    core = RouterCore(replace(SETTINGS, recovery_window_s=0.0), 0.0)
+    core.tick(0.0)
+    urls = [f"http://127.0.0.1:{9001 + i}" for i in range(4)]
+    workers = [core.register(f"w{i}", urls[i], WorkerOrigin.CONTROL, 0.0, "b") for i in range(4)]
+    for i in range(100):  # 25 sessions each, learned and used at the start
+        assert core.learn(workers[i % 4], "open", f"old{i}", 1.0) is None
+    core.retire(workers[3], 2.0)  # w3 restarts: its sessions end, it holds nothing now
+    restarted = core.register("w3", urls[3], WorkerOrigin.CONTROL, 2.0, "b2")
+    assert core.claims.held_count("w3") == 0 and core.claims.held_count("w0") == 25
+
+    # While the others' sessions are in use, the idle restarted worker takes new ones.
+    decision = core.balance(None)
+    assert isinstance(decision, Forward) and decision.worker is restarted
+
+    # Two activity windows later nobody used the old sessions: they weigh nothing, and
+    # new sessions spread evenly.
+    now = 2 * ACTIVE_WINDOW_S + 5.0
+    core.tick(now)
+    picks: dict[str, int] = {}
+    for i in range(100):
+        decision = core.balance(None)
+        assert isinstance(decision, Forward)
+        picks[decision.worker.id] = picks.get(decision.worker.id, 0) + 1
+        assert core.learn(decision.worker, "open", f"new{i}", now) is None
+    assert picks == {"w0": 25, "w1": 25, "w2": 25, "w3": 25}
+    # A session in use counts once a window however many calls it makes.
+    for _ in range(10):
+        core.route("open", "new0", now + 1.0)
+    assert [w.recent_sessions for w in workers[:3]] == [25, 25, 25]

@@ -100,20 +100,39 @@ def test_any_live_counts_only_live_workers(states: tuple[WorkerState, ...], expe
     assert found.any_live() is expected
 
 
-def test_pick_prefers_fewest_claims_then_fewest_in_flight_then_lowest_id() -> None:
+def test_pick_prefers_fewest_recent_sessions_then_in_flight_then_claims_then_lowest_id() -> None:
     w0, w1, w2 = worker("w0"), worker("w1"), worker("w2")
     found = registry(w2, w1, w0)  # insertion order must not matter
     claims = {"w0": 3, "w1": 1, "w2": 1}
     w1.in_flight, w2.in_flight = 5, 2
-    assert found.pick(claims.__getitem__) is w2  # fewest claims, then fewer in flight
+    assert found.pick(claims.__getitem__) is w0  # no recent sessions, none in flight
 
-    w2.in_flight = 5
-    assert found.pick(claims.__getitem__) is w1  # all tied: the lowest id
+    w0.in_flight = 2
+    assert found.pick(claims.__getitem__) is w2  # in flight tied: fewer claims
 
-    claims["w0"] = 0
-    assert found.pick(claims.__getitem__) is w0  # claims come before in flight
+    w1.in_flight = 2
+    assert found.pick(claims.__getitem__) is w1  # all else tied: the lowest id
+
+    w1.recent = 1
+    w2.recent_before = 1
+    assert found.pick(claims.__getitem__) is w0  # recent sessions come first
     w0.in_flight = 100
-    assert found.pick(claims.__getitem__) is w0
+    assert found.pick(claims.__getitem__) is w0  # ... before in flight
+    w0.recent_before = 2
+    assert found.pick(claims.__getitem__) is w1  # w0 used 2 lately; w1 and w2 tie: lowest id
+
+
+def test_a_worker_forgets_its_recent_sessions_a_window_at_a_time() -> None:
+    w0 = worker("w0")
+    w0.recent = 3
+    w0.roll_window(1)
+    assert (w0.recent, w0.recent_before, w0.recent_sessions) == (0, 3, 3)
+    w0.recent = 1
+    w0.roll_window(1)
+    assert (w0.recent, w0.recent_before, w0.recent_sessions) == (0, 1, 1)
+    w0.recent = 5
+    w0.roll_window(2)  # two windows passed: what was recent is not any more
+    assert w0.recent_sessions == 0
 
 
 @pytest.mark.parametrize(

@@ -369,6 +369,7 @@ EXPECTED_FAMILIES = {
     "episode_router_claim_conflicts": "counter",
     "episode_router_learned_claims": "counter",
     "episode_router_learn_conflicts": "counter",
+    "episode_router_learn_misses": "counter",
     "episode_router_in_flight_requests": "gauge",
     "episode_router_worker_transitions": "counter",
     "episode_router_claims": "gauge",

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from router.config import AdminConfig, ListenConfig, SpawnConfig, StateConfig
+from router.config import AdminConfig, HealthConfig, ListenConfig, SpawnConfig, StateConfig
 from router.service import journal as journal_module
 from router.service import spawner as spawn_module
 from router.service.router_service import RouterService
@@ -565,3 +565,71 @@ async def test_a_hello_that_changes_no_state_is_no_transition(rig: Rig) -> None:
         first.abort()
         second.abort()
     assert transitions == {"state=live": 1}, transitions
+
+
+PROBED_SERVER = """
+import http.server, os, time
+time.sleep(0.3)  # a server that takes a moment to listen, as a real one imports its world
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(os.environ["PORT"])), Health).serve_forever()
+"""
+
+
+async def test_a_spawned_server_that_never_says_hello_is_probed_listed_and_retired(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """spawn.register: probe (design §3): the router registers the worker at its start,
+    gives it new sessions once its health probe answers, and retires it the moment its
+    process exits; a restart is a new generation."""
+    script = tmp_path / "server.py"
+    script.write_text(PROBED_SERVER)
+    spawn = SpawnConfig(
+        f"{shlex.quote(sys.executable)} {shlex.quote(str(script))}",
+        count=1,
+        base_port=free_port(),
+        stop_timeout_s=2.0,
+        register="probe",
+        env=(("PORT", "{port}"),),
+    )
+    service = await rig.start_router(
+        router_config(tmp_path, spawn=spawn, health=HealthConfig("/health", 0.1, 1.0, 2))
+    )
+    views = await rig.worker_views()
+    assert views["w0"]["state"] in ("unhealthy", "live")  # listed from its start
+    assert views["w0"]["origin"] == "spawned" and views["w0"]["pid"] is not None
+    await rig.wait_worker_state("w0", "live")
+    reply = await rig.request("GET", "/anything")
+    assert reply.status == 200 and reply.body == b"ok"  # balanced to it
+
+    worker = service.core.workers.get("w0")
+    assert worker is not None
+    generation = worker.generation
+    assert service.core.claim(worker, "episode", "ep1-a0", time.monotonic()) is None
+    os.kill(views["w0"]["pid"], signal.SIGKILL)  # the process this test's router started
+
+    async def restarted() -> bool:
+        return worker.generation == generation + 1
+
+    await wait_until(restarted, "w0 to be started again")
+    await rig.wait_worker_state("w0", "live")  # probed again
+    # The session of the process that died is 410: the new one never serves it.
+    (await rig.request("GET", "/t", episode=token("ep1"))).assert_answer(
+        410, "worker_exited", "ep1-a0"
+    )
+
+    # A hello cannot take a probed worker's id.
+    lease = await RawLease.open(service.config.control.socket)
+    try:
+        reply_line = await lease.call(
+            "hello", v=1, worker="w0", url="http://127.0.0.1:1", boot="intruder"
+        )
+        assert (reply_line["ok"], reply_line["error"]) == (False, "worker_busy")
+    finally:
+        lease.abort()

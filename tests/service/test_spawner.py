@@ -26,6 +26,8 @@ from router.service.spawner import (
     next_restart,
     plan_workers,
     render_command,
+    render_cwd,
+    render_env,
     restart_delay,
 )
 
@@ -270,6 +272,26 @@ def test_render_command_fills_every_placeholder() -> None:
         "--listen",
         "127.0.0.1:9001",
     ]
+
+
+def test_the_env_and_the_folder_are_rendered_for_each_worker() -> None:
+    spec = SpawnSpec(
+        "/venv/bin/python app.py",
+        count=2,
+        base_port=9001,
+        cwd="/srv/{worker_id}",
+        env=(("CONFIG", "host: {host}\nport: {port}\n"), ("NAME", "w-{index}")),
+        register="probe",
+    )
+    first, second = plan_workers(spec)
+    assert spec.probed
+    assert render_cwd(spec, second) == "/srv/w1"
+    assert render_env(spec, first) == {"CONFIG": "host: 127.0.0.1\nport: 9001\n", "NAME": "w-0"}
+    assert render_env(spec, second)["NAME"] == "w-1"
+    assert render_command(spec, first) == ["/venv/bin/python", "app.py"]
+    assert render_cwd(SpawnSpec("srv {port}", 1, 9001), first) is None
+    with pytest.raises(ValueError, match="register must be hello or probe"):
+        SpawnSpec("srv {port}", 1, 9001, register="never")
 
 
 def test_render_command_keeps_a_quoted_argument_whole() -> None:

@@ -51,26 +51,26 @@ KINDS = (
     SessionKindConfig(
         "resources",
         cookie=CookieSourceConfig(COOKIE),
-        seed=RouteConfig("POST", "/seed_session", LearnConfig(cookie=COOKIE)),
+        seed=RouteConfig("POST", "/seed_session", (LearnConfig(cookie=COOKIE),)),
         close=RouteConfig("POST", "/close_session"),
     ),
     SessionKindConfig(
         "mcp_token",
         header=MCP_TOKEN_HEADER,
         token=TokenFormatConfig("itsdangerous", "sid"),
-        seed=RouteConfig("POST", "/seed_session", LearnConfig(json_pointer=TOKEN_POINTER)),
+        seed=RouteConfig("POST", "/seed_session", (LearnConfig(json_pointer=TOKEN_POINTER),)),
     ),
     SessionKindConfig("mcp_session", mcp=McpSourceConfig()),
     SessionKindConfig(
         "task",
         header="X-Task-Id",
         token=TokenFormatConfig("raw"),
-        seed=RouteConfig("POST", "/tasks", LearnConfig(header="X-New-Task")),
+        seed=RouteConfig("POST", "/tasks", (LearnConfig(header="X-New-Task"),)),
     ),
     SessionKindConfig(
         "rollout",
         body_field=BodyFieldConfig("/rollout_id"),
-        seed=RouteConfig("POST", "/rollouts", LearnConfig(json_pointer="/id")),
+        seed=RouteConfig("POST", "/rollouts", (LearnConfig(json_pointer="/id"),)),
     ),
 )
 READER = SessionReader([kind_from_config(kind) for kind in KINDS])
@@ -373,8 +373,13 @@ def test_a_body_without_the_pointer_teaches_nothing_and_says_so(
     with caplog.at_level(logging.INFO, logger="episode_router.learn"):
         router.reply(plan_for("POST", "/rollouts"), router.w0, 200, body=body)
     router.changed({})
-    assert [r.getMessage() for r in caplog.records] == [message]
+    # A warning, once for the reply (with its kinds when it is no JSON at all), and
+    # the kind's miss counted: a config that cannot work is loud.
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0] == message and set(messages[1:]) <= {"seed reply named no session"}
+    assert all(r.levelno == logging.WARNING for r in caplog.records)
     assert getattr(caplog.records[0], "worker", None) == "w0"
+    assert router.core.learn_misses == {"rollout": 1}
 
 
 @pytest.mark.parametrize(
@@ -397,7 +402,8 @@ def test_an_unreadable_session_in_a_seed_reply_is_logged_not_raised(
         router.reply(SEED, router.w0, 200, headers, body)
     router.changed({})
     assert router.core.learned == 0
-    [record] = caplog.records
+    # The kind that found nothing where it looks says so too (a warning of its own).
+    [record] = [r for r in caplog.records if r.getMessage() != "seed reply named no session"]
     assert record.getMessage() == "seed reply's session is unreadable"
     assert (getattr(record, "kind", None), getattr(record, "error", None)) == (
         kind,

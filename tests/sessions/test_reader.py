@@ -57,7 +57,7 @@ MCP_SECRET = "mcp-server-secret"
 MCP_SALT = "nemo-gym-mcp-session-token"
 EPISODE_SECRET = b"e" * 32
 EPISODE_KEY = SigningKey.hs256(EPISODE_SECRET)
-SEED = RouteConfig("POST", "/seed_session", LearnConfig(cookie=COOKIE))
+SEED = RouteConfig("POST", "/seed_session", (LearnConfig(cookie=COOKIE),))
 CLOSE = RouteConfig("POST", "/close_session")
 
 
@@ -169,7 +169,7 @@ MCP_TOKEN = SessionKindConfig(
     "mcp_token",
     header=MCP_TOKEN_HEADER,
     token=TokenFormatConfig("itsdangerous", "sid"),
-    seed=RouteConfig("POST", "/seed_session", LearnConfig(json_pointer="/mcp/headers/token")),
+    seed=RouteConfig("POST", "/seed_session", (LearnConfig(json_pointer="/mcp/headers/token"),)),
 )
 MCP = SessionKindConfig("mcp_session", mcp=McpSourceConfig())
 BODY = SessionKindConfig("rollout", body_field=BodyFieldConfig("/rollout/id", max_bytes=256))
@@ -190,7 +190,7 @@ def test_kind_from_config_keeps_what_reading_needs() -> None:
     )
     assert resources.seed is not None and resources.seed.matches("POST", "/seed_session")
     assert resources.close is not None and resources.close.matches("POST", "/close_session")
-    assert resources.learn == LearnConfig(cookie=COOKIE)
+    assert resources.learn == (LearnConfig(cookie=COOKIE),)
     mcp = kinds["mcp_session"]
     assert (mcp.source, mcp.header, mcp.mcp_path, mcp.not_found_code) == (
         "mcp",
@@ -212,13 +212,15 @@ def test_kind_from_config_keeps_what_reading_needs() -> None:
             ("path", PATH),
         ]
     }
+    # design §4: header tokens, then itsdangerous tokens and Mcp-Session-Id, then
+    # cookies (a jar's), bodies, paths.
     assert precedence == {
         "jws": 1,
         "raw": 1,
-        "cookie": 2,
-        "raw cookie": 2,
-        "itsdangerous": 3,
-        "mcp": 3,
+        "itsdangerous": 2,
+        "mcp": 2,
+        "cookie": 3,
+        "raw cookie": 3,
         "body": 4,
         "path": 5,
     }
@@ -549,7 +551,7 @@ BODY_SOURCE = Source(
     json_body({"rollout": {"id": "b\u0001"}}),  # a control character: no key
 )
 PATH_SOURCE = Source("path", PATH, Req(path="/runs/p1/step"), SessionRef("run", "p1"))
-SOURCES = (JWS_SOURCE, COOKIE_SOURCE, ITSDANGEROUS_SOURCE, MCP_SOURCE, BODY_SOURCE, PATH_SOURCE)
+SOURCES = (JWS_SOURCE, ITSDANGEROUS_SOURCE, MCP_SOURCE, COOKIE_SOURCE, BODY_SOURCE, PATH_SOURCE)
 # (stronger, weaker): every pair of sources at different levels of the contract's order.
 PAIRS = [
     (a, b) for a, b in itertools.combinations(SOURCES, 2) if a.kind.precedence != b.kind.precedence
@@ -557,7 +559,7 @@ PAIRS = [
 
 
 def test_the_pairs_cover_every_two_levels() -> None:
-    assert [s.kind.precedence for s in SOURCES] == [1, 2, 3, 3, 4, 5]
+    assert [s.kind.precedence for s in SOURCES] == [1, 2, 2, 3, 4, 5]
     assert len(PAIRS) == 14
 
 
@@ -731,7 +733,7 @@ def test_a_seed_route_skips_only_its_own_kind_among_cookies() -> None:
     other = SessionKindConfig(
         "other",
         cookie=CookieSourceConfig("other_session"),
-        seed=RouteConfig("POST", "/other/seed", LearnConfig(cookie="other_session")),
+        seed=RouteConfig("POST", "/other/seed", (LearnConfig(cookie="other_session"),)),
     )
     reader = reader_of(RESOURCES, other)
     other_cookie = header("Cookie", f"other_session={starlette_cookie({'session_id': 'o1'})}")
