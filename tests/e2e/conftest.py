@@ -406,21 +406,26 @@ class Launcher:
         }
         for section, values in sections.items():
             config[section] = {**config.get(section, {}), **values}
+        router = self.router_from(name, folder, config)
+        router.wait_ready()
+        return router
+
+    def router_from(self, name: str, folder: Path, config: dict[str, Any]) -> Router:
+        """Write `config` (its listen, admin and control.socket as the router will bind
+        them) to `folder` and start a router with it; the caller waits for what it needs."""
         config_path = folder / "router.yaml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        router = Router(
+        return Router(
             launcher=self,
             name=name,
             folder=folder,
             config=config,
             config_path=config_path,
-            socket_path=socket_path,
-            public_port=public_port,
-            admin_port=admin_port,
+            socket_path=Path(config["control"]["socket"].removeprefix("unix:")),
+            public_port=config["listen"]["port"],
+            admin_port=config["admin"]["port"],
             process=self.run_router(name, config_path),
         )
-        router.wait_ready()
-        return router
 
     def run_router(self, name: str, config_path: Path) -> Process:
         """`episode-router run --config config_path`, as a process of its own."""

@@ -77,16 +77,14 @@ def start_router(launcher: Launcher, name: str, renames: dict[str, str]) -> Rout
     folder = launcher.root / name
     folder.mkdir()
     config = guide_config(renames)
-    public_port, admin_port = free_port(), free_port()
-    socket_path = folder / "control.sock"
-    config["listen"] = {"host": LOOPBACK, "port": public_port}
-    config["admin"] = {"host": LOOPBACK, "port": admin_port}
-    config["control"] = {"socket": f"unix:{socket_path}"}
+    config["listen"] = {"host": LOOPBACK, "port": free_port()}
+    config["admin"] = {"host": LOOPBACK, "port": free_port()}
+    config["control"] = {"socket": f"unix:{folder / 'control.sock'}"}
     config["spawn"]["base_port"] = free_port_range(WORKERS)
     config["spawn"]["count"] = WORKERS
     config["claims"] = {"recovery_window_s": 1}
     config["log"] = {"format": "json"}
-    config_path = folder / "router.yaml"
+    config_path = folder / "checked.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     check = subprocess.run(
         [sys.executable, "-m", "router.cli", "check-config", str(config_path)],
@@ -95,17 +93,7 @@ def start_router(launcher: Launcher, name: str, renames: dict[str, str]) -> Rout
         timeout=60,
     )
     assert check.returncode == 0 and "warning" not in check.stdout, check.stdout + check.stderr
-    router = Router(
-        launcher=launcher,
-        name=name,
-        folder=folder,
-        config=config,
-        config_path=config_path,
-        socket_path=socket_path,
-        public_port=public_port,
-        admin_port=admin_port,
-        process=launcher.run_router(name, config_path),
-    )
+    router = launcher.router_from(name, folder, config)
     router.wait_live([f"w{i}" for i in range(WORKERS)], timeout=START_TIMEOUT_S)
     return router
 
