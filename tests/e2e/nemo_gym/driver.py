@@ -225,7 +225,7 @@ async def env_seed(base: str, count: int) -> dict[str, Any]:
             return {"i": i, "ok": False, "seed": [status, seed]}
         results = await mcp_session(base, token, [("get_weather", {"city": f"City{i}"})])
         ok = not results[0]["error"] and (results[0]["value"] or {}).get("city") == f"City{i}"
-        return {"i": i, "ok": ok, "session": session, "cookies": jar, "results": results}
+        return {"i": i, "ok": ok, "session": session, "cookies": jar, "token": token}
 
     results = await bounded(count, one)
     return {"sessions": count, "ok": sum(1 for r in results if r.get("ok")), "results": results}
