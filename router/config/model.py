@@ -363,3 +363,17 @@ class Config:
     def session_kind(self, name: str) -> SessionKindConfig | None:
         """The session kind called `name`, or None."""
         return next((kind for kind in self.sessions if kind.name == name), None)
+
+    @property
+    def session_headers(self) -> tuple[str, ...]:
+        """The request headers the session kinds read a key from (a cookie kind reads
+        Cookie), as the file spells them."""
+        names: list[str] = []
+        for kind in self.sessions:
+            if kind.header is not None:
+                names.append(kind.header)
+            if kind.mcp is not None:
+                names.append(kind.mcp.header)
+            if kind.cookie is not None:
+                names.append("Cookie")
+        return tuple(names)

@@ -4,7 +4,7 @@ request heads and bodies, and the streamed or whole replies.
 
 from __future__ import annotations
 
-from router.relay.contract import ForwardTimeouts, Upstream, UpstreamFailure
+from router.relay.contract import ForwardTimeouts, Upstream, UpstreamFailure, end_to_end_headers
 from router.relay.forwarder import Forwarder
 from router.relay.lane import LaneDone
 from router.relay.wire import NO_EXTRA
@@ -16,4 +16,5 @@ __all__ = [
     "LaneDone",
     "Upstream",
     "UpstreamFailure",
+    "end_to_end_headers",
 ]

@@ -69,6 +69,10 @@ class ConnectionOwner:
         """The worker closed `conn`."""
         raise NotImplementedError
 
+    def stray(self, conn: WorkerConnection) -> None:
+        """The worker sent `conn` bytes after a complete reply: bytes nobody asked for."""
+        raise NotImplementedError
+
 
 class WorkerConnection(asyncio.Protocol):
     """One connection to a worker, carrying one exchange at a time.
@@ -130,6 +134,15 @@ class WorkerConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         reply = self.reply
+        if reply.complete:
+            # Bytes after a complete reply, before the next request was written (the
+            # connection idles in its pool, is on its way to the next request, or its
+            # exchange still relays the body): nobody asked for them, and on a reused
+            # connection they would be read as the next request's reply. The connection
+            # is out of step for good (design §8): its pool closes it (`stray`).
+            reply.feed(data)  # not parsed; the reply is no longer reusable
+            self._pool.stray(self)
+            return
         reply.feed(data)
         if reply.buffered > _READ_HIGH_WATER and not self._read_paused and self.transport:
             self._read_paused = True

@@ -23,11 +23,13 @@ from aiohttp import hdrs
 from multidict import CIMultiDict
 
 __all__ = [
+    "ALWAYS_END_TO_END",
     "MAX_CACHED_ROLES",
     "ForwardTimeouts",
     "ReplyObserver",
     "Upstream",
     "UpstreamFailure",
+    "end_to_end_headers",
     "keeps_every_reply_header",
     "relayed_reply_headers",
     "remember_role",
@@ -142,15 +144,35 @@ class UpstreamFailure(Exception):
 # --- header rules (pure) ------------------------------------------------------------------
 
 
-def _connection_named(items: list[tuple[str, str]]) -> frozenset[str]:
-    """The lower-cased header names listed in every Connection header."""
+# Headers a client's Connection options never remove (design §8): the router reads them
+# to frame and route the request, so the worker must get the same ones. RFC 9110 §7.6.1
+# forbids listing a header meant for every recipient; a client that does is not obeyed.
+# The session kinds' own headers are added to these where the router is configured
+# (`end_to_end_headers`).
+ALWAYS_END_TO_END: Final = frozenset({"cookie", "authorization", "content-length", "content-type"})
+
+
+_NO_NAMES: Final[frozenset[str]] = frozenset()  # a reply's Connection options are all obeyed
+
+
+def end_to_end_headers(session_headers: Iterable[str]) -> frozenset[str]:
+    """The lower-cased names a Connection option never removes: ALWAYS_END_TO_END and
+    the headers the session kinds read (`session_headers`, any case)."""
+    return ALWAYS_END_TO_END | frozenset(name.lower() for name in session_headers)
+
+
+def _connection_named(
+    items: list[tuple[str, str]], kept: frozenset[str] = ALWAYS_END_TO_END
+) -> frozenset[str]:
+    """The lower-cased header names listed in every Connection header, but for `kept`
+    (the names a Connection option never removes)."""
     return frozenset(
         token.strip().lower()
         for name, value in items
         if name.lower() == "connection"
         for token in value.split(",")
         if token.strip()
-    )
+    ).difference(kept)
 
 
 def _is_hop_by_hop(lower_name: str, named: frozenset[str]) -> bool:
@@ -165,18 +187,20 @@ def request_headers_for_worker(
     scheme: str,
     extra: Mapping[str, str] = _NO_HEADERS,
     authority: str | None = None,
+    kept: frozenset[str] = ALWAYS_END_TO_END,
 ) -> CIMultiDict[str]:
     """The header section a worker receives for a client's request (design §8).
 
-    Drops hop-by-hop headers (and those Connection names), names containing `_`, and the
+    Drops hop-by-hop headers (and those Connection names but `kept`), names containing `_`, and the
     headers the router owns; sets Host to the worker's address and the X-Forwarded-* set;
     adds `extra` last. Repeated headers and the client's order are kept. When the client
     sent Transfer-Encoding, its Content-Length is dropped too: the body is re-framed as
     chunked and a leftover length would let the two framings disagree. `authority`: an
     absolute-form target's, which stands in for the client's Host (RFC 9112 §3.2.2).
+    `kept`: the names a Connection option never removes (`end_to_end_headers`).
     """
     items = list(client_headers)
-    named = _connection_named(items)
+    named = _connection_named(items, kept)
     chunked = any(k.lower() == "transfer-encoding" for k, _ in items)
     out: CIMultiDict[str] = CIMultiDict()
     out[hdrs.HOST] = worker_host
@@ -244,7 +268,7 @@ def relayed_reply_headers(
     roles = [_REPLY_ROLES.get(pair[0]) or _reply_role(pair[0]) for pair in worker_headers]
     if _REPLY_CONNECTION in roles:
         # The names Connection lists are dropped too: roles for this reply alone.
-        named = _connection_named([(_text(n), _text(v)) for n, v in worker_headers])
+        named = _connection_named([(_text(n), _text(v)) for n, v in worker_headers], _NO_NAMES)
         roles = [_reply_role_named(_text(n).lower(), named) for n, _ in worker_headers]
     out = []
     for index, pair in enumerate(worker_headers):  # zip(strict=True): see worker_request_head

@@ -29,6 +29,7 @@ from multidict import CIMultiDict
 from router.edge import PublicRequest
 from router.relay.connection import TIMED_OUT, WOKE, WorkerConnection
 from router.relay.contract import (
+    ALWAYS_END_TO_END,
     ForwardTimeouts,
     ReplyObserver,
     Upstream,
@@ -75,6 +76,9 @@ class Forwarder(LaneOwner):
         # The request body limit for bodies whose length is not announced (chunked): one
         # with a Content-Length over it was refused before it got here.
         self.max_body_bytes: int | None = None
+        # The headers a client's Connection options never remove: the session kinds'
+        # (router.relay.contract.end_to_end_headers; set from the config).
+        self.end_to_end = ALWAYS_END_TO_END
         # False sends every forward through forward() (the tests compare the two paths).
         self.lane_enabled = True
         # Forwards `start()` took, declined, and handed over to the coroutine path.
@@ -110,7 +114,7 @@ class Forwarder(LaneOwner):
         returned all the same.
         """
         exchange = Exchange(request, self._pool_for(upstream))
-        first, whole = outgoing(exchange, extra_headers, body, self.max_body_bytes)
+        first, whole = outgoing(exchange, extra_headers, body, self.max_body_bytes, self.end_to_end)
         try:
             await self._send(exchange, first, whole)
             return await self._relay(exchange, public_base, observer)
@@ -164,7 +168,9 @@ class Forwarder(LaneOwner):
             return False  # forward() opens (or replaces) the pool
         exchange = Exchange(request, pool)
         try:
-            message, whole = outgoing(exchange, extra_headers, body, self.max_body_bytes)
+            message, whole = outgoing(
+                exchange, extra_headers, body, self.max_body_bytes, self.end_to_end
+            )
         except UpstreamFailure:
             return False  # forward() meets the same failure and raises it
         if not whole:
@@ -314,6 +320,11 @@ class Forwarder(LaneOwner):
                 return UpstreamFailure("error", reply.broken)
             deadline = exchange.deadline
             if await conn.wait(deadline) == TIMED_OUT and exchange.deadline == deadline:
+                if exchange.body_broke is not None or exchange.too_large:
+                    # The body failed as this deadline passed (the client's body clock
+                    # ran out with it, and the upload ran first): the client's failure,
+                    # answered at the top of the loop, never the worker's timeout.
+                    continue
                 if exchange.awaiting_client:
                     # The client is still sending its body (trailers, say, that move no
                     # chunk): its body clock answers its silence with 408. The worker's

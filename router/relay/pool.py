@@ -11,6 +11,7 @@ parsed reply) and never builds or reads HTTP itself.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections import deque
 
@@ -18,6 +19,8 @@ from router.relay.connection import ConnectionOwner, WorkerConnection
 from router.relay.wire import WorkerAddress
 
 __all__ = ["KEEPALIVE_S", "PoolClosed", "WorkerPool"]
+
+log = logging.getLogger("episode_router.forward")
 
 # Idle keep-alive connections are closed by the router after 4 s: below the 5 s default of
 # uvicorn and hypercorn, so it is the router, not the worker, that closes an idle
@@ -48,6 +51,7 @@ class WorkerPool(ConnectionOwner):
         "_waiters",
         "address",
         "closed",
+        "keep_alive",
         "limit",
         "url",
     )
@@ -59,6 +63,9 @@ class WorkerPool(ConnectionOwner):
         self.address = address
         self.limit = limit
         self.closed = False
+        # False once the worker sent bytes nobody asked for (`stray`): from then on each
+        # of its connections carries one exchange and closes.
+        self.keep_alive = True
         self._loop = loop
         self._taken = 0  # places held: open connections, connects under way, places handed on
         self._connections: set[WorkerConnection] = set()
@@ -115,7 +122,7 @@ class WorkerPool(ConnectionOwner):
     def release(self, conn: WorkerConnection) -> None:
         """Takes back `conn` after a complete exchange: to a waiting request, else idle.
         A connection that cannot carry another exchange is closed instead."""
-        if self.closed or conn.closed or not conn.reply.reusable:
+        if self.closed or conn.closed or not conn.reply.reusable or not self.keep_alive:
             conn.close()
             return
         waiters = self._waiters
@@ -138,6 +145,21 @@ class WorkerPool(ConnectionOwner):
             self._free_place()
         if self._idle and conn in self._idle:
             self._idle.remove(conn)
+
+    def stray(self, conn: WorkerConnection) -> None:
+        """The worker sent bytes after a complete reply on `conn`: an idle `conn` closes
+        now (as nginx closes a cached upstream connection that becomes readable), a busy
+        one when its exchange lets it go (it is no longer reusable). HTTP/1.1 cannot tell
+        such bytes from a reply once the next request was written, so the pool stops
+        reusing this worker's connections for as long as it lives (the worker's life)."""
+        if self.keep_alive:
+            self.keep_alive = False
+            log.warning(
+                "a worker sent bytes after a complete reply: its connections are no longer reused",
+                extra={"worker_url": self.url},
+            )
+        if conn in self._idle:
+            conn.close()
 
     def dropped(self, conn: WorkerConnection) -> None:
         """The worker closed `conn`: an idle connection leaves the pool now; a busy one
@@ -222,9 +244,10 @@ class WorkerPool(ConnectionOwner):
             timer.cancel()
         if conn is None:  # a place freed up and is ours: connect in it
             return await self._open(deadline)
-        if conn.closed or conn.closing:
-            # The worker closed it after it was handed over, before this turn came:
-            # nothing was written on it, so any request may go on a fresh one.
+        if not conn.usable():
+            # The worker closed it, or sent bytes on it, after it was handed over, before
+            # this turn came: nothing was written on it, so any request may go on a
+            # fresh one.
             return await self.reopen(conn, deadline)
         return conn
 

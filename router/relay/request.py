@@ -31,14 +31,19 @@ _REFUSED_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ENOENT})  # ENOENT: no so
 
 
 def outgoing(
-    exchange: Exchange, extra: dict[str, str], body: bytes | None, limit: int | None
+    exchange: Exchange,
+    extra: dict[str, str],
+    body: bytes | None,
+    limit: int | None,
+    kept: frozenset[str],
 ) -> tuple[bytes, bool]:
     """What to write first, and whether it is the whole request: the head and the
     framed body when the body is all here (True), else the head alone, the body to
     stream after it (False). Head and body are joined in one piece, as the worker
     reads them in one recv (no copy of the head into a second bytes object). `limit`:
-    the body limit for a body whose length was not announced (None: none). Raises
-    UpstreamFailure (nothing was sent)."""
+    the body limit for a body whose length was not announced (None: none). `kept`: the
+    headers a client's Connection options never remove. Raises UpstreamFailure (nothing
+    was sent)."""
     request = exchange.request
     method = request.method
     if method == "CONNECT":
@@ -67,6 +72,7 @@ def outgoing(
             chunked=chunked,
             authority=request.authority,
             body=b"" if payload is None else payload,
+            kept=kept,
         )
     except ValueError as exc:
         raise UpstreamFailure(

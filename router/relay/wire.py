@@ -16,7 +16,13 @@ from typing import Final
 # The header rules have one home, router.relay.contract (the forwarding contract); this module
 # builds the same head in one pass, pinned equal by tests/relay/test_wire.py.
 from router.protocol import HTTP, is_ip, parse_upstream
-from router.relay.contract import LastNames, _connection_named, _keeps_request_header, remember_role
+from router.relay.contract import (
+    ALWAYS_END_TO_END,
+    LastNames,
+    _connection_named,
+    _keeps_request_header,
+    remember_role,
+)
 
 __all__ = [
     "IDEMPOTENT_METHODS",
@@ -89,6 +95,7 @@ def worker_request_head(
     chunked: bool = False,
     authority: str | None = None,
     body: bytes = b"",
+    kept: frozenset[str] = ALWAYS_END_TO_END,
 ) -> bytes:
     """The request head a worker receives, as bytes: `method target HTTP/1.1`, the header
     section of `router.relay.contract.request_headers_for_worker` (same rules, same order), and
@@ -96,6 +103,7 @@ def worker_request_head(
     stood (or is added last), `chunked` adds `Transfer-Encoding: chunked` last.
     `authority`: an absolute-form target's, which stands in for the client's Host.
     `body`: bytes to follow the head in the same piece (a whole, framed body).
+    `kept`: the names a Connection option never removes (design §8).
 
     `method`, `target` and `client_headers` (the (name, value) pairs as the bytes the
     client sent) are as llhttp parsed them, which lets no CR or LF into any of them: the
@@ -113,7 +121,7 @@ def worker_request_head(
         if _CONNECTION in roles:
             # The names Connection lists are dropped too: roles for this request alone.
             text = [(_text(pair[0]), _text(pair[1])) for pair in items]
-            named = _connection_named(text)
+            named = _connection_named(text, kept)
             roles = [_role(pair[0].lower(), named) for pair in text]
         # Transfer-Encoding wins over Content-Length (RFC 9112 §6.3): the client's goes.
         drop_length = _TRANSFER_ENCODING in roles

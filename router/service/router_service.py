@@ -31,7 +31,7 @@ from router.control import ControlServer, ControlSession
 from router.core import RouterCore, Worker, WorkerOrigin, WorkerState
 from router.edge import EdgeServer
 from router.metrics import RouterMetrics
-from router.relay import Forwarder
+from router.relay import Forwarder, end_to_end_headers
 from router.service.admin import admin_application
 from router.service.health import HealthProber
 from router.service.journal import JournalFile, replay
@@ -70,6 +70,7 @@ class RouterService:
         self.core = RouterCore(core_settings(config), self._clock(), on_retire=self._retired)
         self.forwarder = Forwarder(forward_timeouts(config))
         self.forwarder.max_body_bytes = config.limits.max_body_bytes
+        self.forwarder.end_to_end = end_to_end_headers(config.session_headers)
         self.metrics = self._build_metrics()
         self.control = ControlServer(
             self.core,
@@ -363,6 +364,7 @@ class RouterService:
         self.handler.max_body_bytes = target.limits.max_body_bytes
         self.handler.access_log = target.log.access
         self.forwarder.max_body_bytes = target.limits.max_body_bytes
+        self.forwarder.end_to_end = end_to_end_headers(target.session_headers)
         self.control.set_policy(control_policy(target, self.boot))
         self.forwarder.set_timeouts(forward_timeouts(target))
         if self._edge is not None:
