@@ -316,6 +316,9 @@ class LimitsConfig:
     # Streamed uploads and replies relayed at a client's pace may hold this share of a
     # worker's pool (Envoy's pending limits): the rest serves requests whose bodies are in.
     paced_share_percent: int = 50
+    # Connections the router keeps to one worker at most: uvicorn's and aiohttp's own
+    # backlog is far larger, and a few hundred tool calls in flight per worker is plenty.
+    worker_connections: int = 256
 
 
 @dataclass(frozen=True, slots=True)

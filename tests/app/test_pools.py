@@ -1,7 +1,7 @@
 """Worker pools one client cannot monopolise, through a real router (design §1, §8).
 
 A `RouterService` runs in this process on loopback ports with a small pool per worker
-(`Forwarder.pool_size`), so a handful of hostile clients is enough to fill it when the
+(`limits.worker_connections`), so a handful of hostile clients is enough to fill it when the
 router lets them: slow uploads, uploads too large to buffer, and clients that never read
 their replies. Each test then asks what a well-behaved client of the same worker gets,
 and what the worker saw: slow clients must cost their own bytes, not its connections,
@@ -41,10 +41,9 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
 async def start(rig: Rig, tmp_path: Path, **limit_fields: Any) -> RouterService:
     """A router whose pools hold POOL connections, with `limits` changed by `limit_fields`."""
     timeouts = TimeoutsConfig(connect_s=0.5, first_byte_s=5.0, stream_idle_s=5.0)
-    limits = dataclasses.replace(LimitsConfig(), **limit_fields)
-    router = await rig.start_router(router_config(tmp_path, timeouts=timeouts, limits=limits))
-    router.forwarder.pool_size = POOL
-    return router
+    fields = {"worker_connections": POOL, **limit_fields}
+    limits = dataclasses.replace(LimitsConfig(), **fields)
+    return await rig.start_router(router_config(tmp_path, timeouts=timeouts, limits=limits))
 
 
 def episode_headers(body_length: int | None = None) -> list[tuple[str, str]]:
@@ -179,8 +178,7 @@ async def test_uploads_too_large_to_buffer_hold_only_their_share_and_the_rest_is
 async def test_a_full_pool_is_503_worker_busy_and_the_worker_is_not_blamed(
     rig: Rig, tmp_path: Path
 ) -> None:
-    router = await start(rig, tmp_path)
-    router.forwarder.pool_size = 1
+    router = await start(rig, tmp_path, worker_connections=1)
     worker = await rig.add_worker("w0")
     await worker.claim("ep-a0")
     held = asyncio.ensure_future(rig.request("POST", "/hang", episode=token("ep"), data=b"a"))

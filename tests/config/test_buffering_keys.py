@@ -18,6 +18,7 @@ def test_the_buffering_keys_default_to_a_mebibyte_each_a_256_mib_budget_and_half
         limits.buffer_budget_bytes,
         limits.paced_share_percent,
     ) == (1 << 20, 1 << 20, 256 << 20, 50)
+    assert limits.worker_connections == 256
     assert limits == LimitsConfig()
 
 
@@ -43,6 +44,7 @@ def test_the_buffering_keys_are_read_and_zero_turns_buffering_off() -> None:
         ("limits: {body_buffer_bytes: -1}", "limits.body_buffer_bytes"),
         ("limits: {reply_buffer_bytes: 1.5}", "limits.reply_buffer_bytes"),
         ("limits: {buffer_budget_bytes: big}", "limits.buffer_budget_bytes"),
+        ("limits: {worker_connections: 0}", "limits.worker_connections"),
     ],
 )
 def test_a_bad_buffering_key_is_an_error_naming_it(text: str, key: str) -> None:
