@@ -69,6 +69,9 @@ SOCKET_TIMEOUT_S = 10.0  # any one read or write of the steady client
 # A steady call slower than this fails the phase: a loopback tool call takes milliseconds,
 # and a call queued for a pooled connection waits timeouts.connect_s (2 s) before its 503.
 STEADY_BOUND_MS = 500.0
+# The attackers' time to be in place before the steady client starts: 300 replies of
+# 2 MiB are 600 MiB to move over loopback first, on a machine of two cores.
+SETTLE_S = 3.0
 RUN_DEADLINE_S = 600.0
 TOKEN_HEADER = "X-NeMo-Gym-Episode-Token"
 WORKER_ID = "w0"
@@ -105,7 +108,8 @@ class Phase:
         attackers = ", ".join(f"{what}: {n}" for what, n in sorted(self.attackers.items()))
         return (
             f"{self.name}: steady {len(self.latencies_ms)} calls ({statuses}),"
-            f" p50 {p50:.1f} ms, p99 {self.percentile(0.99):.1f} ms;"
+            f" p50 {p50:.1f} ms, p99 {self.percentile(0.99):.1f} ms,"
+            f" max {max(self.latencies_ms, default=0.0):.1f} ms;"
             f" attackers ({attackers or 'none'}); router RSS {self.router_rss_kib / 1024:.0f} MiB"
         )
 
@@ -279,7 +283,7 @@ async def run_phase(attack: Attack, name: str) -> Phase:
             attack = non_reader(port, attack_token, size, phase, stop)
         tasks.append(asyncio.create_task(attack, name=f"attacker {index}"))
     if attackers:
-        await asyncio.sleep(min(1.0, phase_s / 4))  # the attack is in place first
+        await asyncio.sleep(min(SETTLE_S, phase_s / 2))  # the attack is in place first
     measuring = asyncio.create_task(steady(port, steady_token, phase, stop), name="steady")
     await asyncio.sleep(phase_s)
     phase.router_rss_kib = router_rss_kib(router.process.pid)
