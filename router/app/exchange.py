@@ -155,8 +155,16 @@ def body_timeout_answer(reason: str) -> Answer:
 
 def failure_answer(failure: UpstreamFailure, gone: bool, decision: Forward) -> Answer:
     """design §3: before the reply head, a refused connect or a worker whose lease
-    is gone is 410 worker_exited; otherwise 502, or 504 on a timeout."""
+    is gone is 410 worker_exited; otherwise 502, or 504 on a timeout. A worker whose
+    connections are all busy is 503 worker_busy (design §1)."""
     session = decision.session
+    if failure.kind == "busy":
+        return Answer(
+            "worker_busy",
+            f"The worker's connections are all busy ({failure.detail}); try again.",
+            session,
+            retry_after_s=1.0,
+        )
     gone = gone or decision.worker.state in (WorkerState.EXITED, WorkerState.LOST)
     if failure.kind == "refused" or (gone and failure.kind == "error"):
         ran = "ran this episode" if session is not None else "was chosen for this request"

@@ -274,6 +274,10 @@ class PublicHandler(ExchangeOwner):
                 return
             if exchange.failed_by_client(outcome):
                 return
+            if outcome.kind == "busy":
+                # The router's own crowding (the worker's pool, or its share for streamed
+                # exchanges, is full): the worker is not blamed, probed or counted failing.
+                return exchange.answer(failure_answer(outcome, False, decision))
             if self.metrics is not None:
                 self.metrics.upstream_failure(worker.id, outcome.kind)
             gone = outcome.kind != "timeout" and await self._check_worker(worker)

@@ -305,6 +305,20 @@ class LimitsConfig:
     max_line_bytes: int = 8190
     # nginx's client_body_timeout: the longest silence while a request body arrives.
     body_timeout_s: float = 60.0
+    # A body this large is read whole before a worker connection is taken, so a slow
+    # upload costs its own bytes, not a connection: tool-call bodies fit (0: never).
+    body_buffer_bytes: int = 1024 * 1024
+    # A reply of known length this large is read whole and its connection reused at
+    # once, so a slow reader does not hold the worker (nginx's proxy_buffering; 0: never).
+    reply_buffer_bytes: int = 1024 * 1024
+    # All such bodies and replies held at once, per process: 256 full buffers.
+    buffer_budget_bytes: int = 256 * 1024 * 1024
+    # Streamed uploads and replies relayed at a client's pace may hold this share of a
+    # worker's pool (Envoy's pending limits): the rest serves requests whose bodies are in.
+    paced_share_percent: int = 50
+    # Connections the router keeps to one worker at most: uvicorn's and aiohttp's own
+    # backlog is far larger, and a few hundred tool calls in flight per worker is plenty.
+    worker_connections: int = 256
 
 
 @dataclass(frozen=True, slots=True)

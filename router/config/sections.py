@@ -68,6 +68,8 @@ _CLAIMS_KEYS: Final = (
 _LIMITS_KEYS: Final = (
     *("max_header_bytes", "max_headers", "max_body_bytes"),
     *("header_timeout_s", "idle_timeout_s", "max_line_bytes", "body_timeout_s"),
+    *("body_buffer_bytes", "reply_buffer_bytes", "buffer_budget_bytes", "paced_share_percent"),
+    "worker_connections",
 )
 _TIMEOUTS_KEYS: Final = ("connect_s", "first_byte_s", "stream_idle_s", "shutdown_grace_s")
 
@@ -350,6 +352,11 @@ def _limits(sec: Section) -> LimitsConfig:
         idle_timeout_s=sec.seconds("idle_timeout_s", d.idle_timeout_s),
         max_line_bytes=sec.integer("max_line_bytes", d.max_line_bytes),
         body_timeout_s=sec.seconds("body_timeout_s", d.body_timeout_s),
+        body_buffer_bytes=sec.integer("body_buffer_bytes", d.body_buffer_bytes, 0),
+        reply_buffer_bytes=sec.integer("reply_buffer_bytes", d.reply_buffer_bytes, 0),
+        buffer_budget_bytes=sec.integer("buffer_budget_bytes", d.buffer_budget_bytes, 0),
+        paced_share_percent=sec.integer("paced_share_percent", d.paced_share_percent, 1, 100),
+        worker_connections=sec.integer("worker_connections", d.worker_connections, 1, 65536),
     )
 
 

@@ -29,6 +29,7 @@ STATUS_BY_CODE: Final[dict[str, int]] = {
     "no_worker": 503,
     "recovering": 503,
     "shutting_down": 503,
+    "worker_busy": 503,
     "upstream_timeout": 504,
 }
 

@@ -60,6 +60,7 @@ class RequestBody:
         "_broken",
         "_buffered",
         "_chunks",
+        "_high_water",
         "_loop",
         "_source",
         "_throttled",
@@ -76,6 +77,7 @@ class RequestBody:
         self._broken: BodyBroken | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._throttled = False
+        self._high_water = BODY_HIGH_WATER  # raised while `gather` waits for the body
         self.complete = False  # every byte of the body has been fed
         self.received = 0  # bytes fed so far
 
@@ -87,7 +89,7 @@ class RequestBody:
         self._chunks.append(data)
         self._buffered += len(data)
         self.received += len(data)
-        if self._buffered > BODY_HIGH_WATER and not self._throttled:
+        if self._buffered > self._high_water and not self._throttled:
             self._throttled = True
             self._source.body_backlogged()
         self._wake()
@@ -115,6 +117,30 @@ class RequestBody:
             self._throttled = False
             self._source.body_drained()
         return data
+
+    async def gather(self, limit: int) -> bool:
+        """Waits, taking nothing, until the whole body is here (True) or more than `limit`
+        bytes of it are held (False): meanwhile the connection reads on up to `limit`
+        (the high-water mark is raised to it), so a body is buffered before anything is
+        sent on. Raises BodyBroken when it will not complete."""
+        self._high_water = max(limit, BODY_HIGH_WATER)
+        if self._throttled and self._buffered <= self._high_water:
+            self._throttled = False
+            self._source.body_drained()
+        try:
+            while not self.complete:
+                if self._broken is not None:
+                    raise self._broken
+                if self._buffered > limit:
+                    return False
+                self._waiter = self._loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            return True
+        finally:
+            self._high_water = BODY_HIGH_WATER
 
     async def readany(self) -> bytes:
         """What has arrived and was not taken yet, waiting for some if none has; b"" at

@@ -87,6 +87,7 @@ class WorkerConnection(asyncio.Protocol):
         "_listener",
         "_loop",
         "_pool",
+        "_read_high_water",
         "_read_paused",
         "_timer",
         "_timer_when",
@@ -109,6 +110,7 @@ class WorkerConnection(asyncio.Protocol):
         self._listener: ReplyWatcher | None = None
         self._drain_waiter: asyncio.Future[None] | None = None
         self._read_paused = False
+        self._read_high_water = _READ_HIGH_WATER  # raised while a reply is buffered whole
         # One timer per connection, moved lazily (see wait()).
         self._deadline: float | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -144,7 +146,7 @@ class WorkerConnection(asyncio.Protocol):
             self._pool.stray(self)
             return
         reply.feed(data)
-        if reply.buffered > _READ_HIGH_WATER and not self._read_paused and self.transport:
+        if reply.buffered > self._read_high_water and not self._read_paused and self.transport:
             self._read_paused = True
             self.transport.pause_reading()
         self._wake(WOKE)
@@ -244,6 +246,15 @@ class WorkerConnection(asyncio.Protocol):
             self._read_paused = False
             self.transport.resume_reading()
         return data
+
+    def read_up_to(self, limit: int | None) -> None:
+        """Lets the reply's unread body grow to `limit` bytes before reading pauses (None:
+        back to the usual mark): a reply buffered whole is read on while nobody takes it."""
+        limit_now = self._read_high_water = _READ_HIGH_WATER if limit is None else limit
+        transport = self.transport
+        if self._read_paused and transport is not None and self.reply.buffered <= limit_now:
+            self._read_paused = False
+            transport.resume_reading()
 
     async def drain(self) -> None:
         """Returns once the worker's transport takes writes again (or it closed)."""

@@ -25,6 +25,7 @@ from multidict import CIMultiDict
 __all__ = [
     "ALWAYS_END_TO_END",
     "MAX_CACHED_ROLES",
+    "BufferLimits",
     "ForwardTimeouts",
     "ReplyObserver",
     "Upstream",
@@ -42,8 +43,17 @@ __all__ = [
 # bad_body: the client's request body was malformed (a bad chunk) after its head (400).
 # client_left: the client went away before the reply head (nothing left to answer).
 # client_timeout: the client's request body went silent (408; the worker is not blamed).
+# busy: no connection to the worker could be had because its pool was full, or its share
+#   for client-paced exchanges was (503 worker_busy; the worker is not blamed).
 FailureKind = Literal[
-    "refused", "error", "timeout", "too_large", "bad_body", "client_left", "client_timeout"
+    "refused",
+    "error",
+    "timeout",
+    "too_large",
+    "bad_body",
+    "client_left",
+    "client_timeout",
+    "busy",
 ]
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) plus the legacy ones proxies still see.
@@ -117,6 +127,37 @@ class ForwardTimeouts:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and 0 < value < math.inf):
                 raise ValueError(f"ForwardTimeouts.{name} must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class BufferLimits:
+    """How much of an exchange the router holds in memory so that a slow client costs
+    its own bytes, not a worker connection; the defaults live in the configuration.
+
+    body_bytes: a request body at most this large is read whole before a worker
+        connection is taken; a larger one (or a chunked one that grows past it) streams.
+    reply_bytes: a reply at most this large is read whole, and its connection goes back
+        to the pool, before the client takes it; a larger one is relayed at the client's
+        pace.
+    budget_bytes: the most the process holds this way at once, bodies and replies
+        together; past it, a body or reply streams as it would if it were large.
+    paced_share: the share of a worker's pool that exchanges held at a client's pace
+        (streamed uploads, replies streamed to the client) may take.
+    """
+
+    body_bytes: int = 1024 * 1024
+    reply_bytes: int = 1024 * 1024
+    budget_bytes: int = 256 * 1024 * 1024
+    paced_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("body_bytes", "reply_bytes", "budget_bytes"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 0):
+                raise ValueError(f"BufferLimits.{name} must be a whole number >= 0, got {value!r}")
+        if not 0 < self.paced_share <= 1:
+            share = self.paced_share
+            raise ValueError(f"BufferLimits.paced_share must be in (0, 1], got {share!r}")
 
 
 class UpstreamFailure(Exception):

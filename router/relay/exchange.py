@@ -34,8 +34,10 @@ class Exchange(ClientLost):
         "chunked",
         "conn",
         "deadline",
+        "paced",
         "pool",
         "request",
+        "reserved",
         "too_large",
         "upload",
         "uploaded",
@@ -54,10 +56,15 @@ class Exchange(ClientLost):
         # The streamed upload waits for the client's next body bytes: the wait for the
         # reply head is not the worker's then (the client's body clock bounds it).
         self.awaiting_client = False
+        self.paced = False  # it holds one of its pool's places for client-paced exchanges
+        self.reserved = 0  # bytes of the buffer budget it holds (the forwarder's count)
 
     def settle(self, clean: bool) -> None:
         """Lets go of the worker connection: back to the pool after a complete exchange
         (`clean`), else dropped. Idempotent."""
+        if self.paced:
+            self.paced = False
+            self.pool.give_paced()
         conn = self.conn
         if conn is None:
             return

@@ -21,15 +21,18 @@ so the client sees an incomplete reply rather than a forged clean end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, Final
 
 from multidict import CIMultiDict
 
-from router.edge import PublicRequest
+from router.edge import BodyBroken, PublicRequest
+from router.relay.budget import BufferBudget
 from router.relay.connection import TIMED_OUT, WOKE, WorkerConnection
 from router.relay.contract import (
     ALWAYS_END_TO_END,
+    BufferLimits,
     ForwardTimeouts,
     ReplyObserver,
     Upstream,
@@ -40,13 +43,14 @@ from router.relay.contract import (
 )
 from router.relay.exchange import Exchange, client_headers, send_whole, stale
 from router.relay.lane import Lane, LaneDone, LaneOwner
-from router.relay.pool import PoolClosed, WorkerPool
+from router.relay.pool import PoolBusy, PoolClosed, WorkerPool
 from router.relay.reply import CLIENT_GONE, log, send_cut, stream_reply
 from router.relay.request import WHOLE_BODY_MAX, body_failure, connect_failure, outgoing
 from router.relay.upload import start_upload
 from router.relay.wire import NO_EXTRA, parse_worker_address
 
 __all__ = [
+    "BufferLimits",
     "ForwardTimeouts",
     "Forwarder",
     "LaneDone",
@@ -62,10 +66,22 @@ __all__ = [
 class Forwarder(LaneOwner):
     """Relays requests to workers over keep-alive pools, one pool per worker."""
 
-    def __init__(self, timeouts: ForwardTimeouts, *, pool_size_per_upstream: int = 256) -> None:
+    def __init__(
+        self,
+        timeouts: ForwardTimeouts,
+        *,
+        pool_size_per_upstream: int = 256,
+        buffering: BufferLimits = BufferLimits(),  # noqa: B008 (frozen: one shared default)
+    ) -> None:
         if pool_size_per_upstream < 1:
             raise ValueError("pool_size_per_upstream must be at least 1")
-        self._pool_size = pool_size_per_upstream
+        # Connections per worker, for the pools opened from now on.
+        self.pool_size = pool_size_per_upstream
+        self._buffering = buffering
+        self.budget = BufferBudget(buffering.budget_bytes)
+        # Replies relayed at the client's pace past the pool's share for them: the
+        # budget was spent, and a reply the worker already made is never dropped.
+        self.paced_over_share = 0
         self._pools: dict[str, WorkerPool] = {}
         self._closed = False
         # The loop, read once when the first pool opens: on Python 3.11 every
@@ -89,6 +105,13 @@ class Forwarder(LaneOwner):
     def set_timeouts(self, timeouts: ForwardTimeouts) -> None:
         """Bounds for the forwards that start from now on (a config reload)."""
         self._timeouts = timeouts
+
+    def set_buffering(self, buffering: BufferLimits) -> None:
+        """Buffer bounds for the forwards that start from now on (a config reload); bytes
+        already reserved stay counted. A pool's paced share changes when it is next
+        opened."""
+        self._buffering = buffering
+        self.budget.limit = buffering.budget_bytes
 
     async def forward(
         self,
@@ -114,12 +137,20 @@ class Forwarder(LaneOwner):
         returned all the same.
         """
         exchange = Exchange(request, self._pool_for(upstream))
-        first, whole = outgoing(exchange, extra_headers, body, self.max_body_bytes, self.end_to_end)
         try:
+            stream = request.body
+            # The common small body that came with its head skips this: it goes whole.
+            if (
+                body is None
+                and stream is not None
+                and (not stream.complete or stream.received > WHOLE_BODY_MAX)
+            ):
+                body = await self._gather_body(exchange)
+            first, whole = outgoing(exchange, extra_headers, body, self.max_body_bytes, self.end_to_end)
             await self._send(exchange, first, whole)
             return await self._relay(exchange, public_base, observer)
         finally:
-            exchange.settle(clean=False)  # a no-op once the relay settled it
+            self._let_go(exchange)
 
     def start(
         self,
@@ -201,7 +232,7 @@ class Forwarder(LaneOwner):
                 raise failure
             return await self._relay(exchange, public_base, None)
         finally:
-            exchange.settle(clean=False)  # a no-op once the relay settled it
+            self._let_go(exchange)
 
     def forget(self, worker_id: str) -> None:
         """Closes and drops the pool of `worker_id` (its worker exited); a no-op if unknown.
@@ -237,9 +268,47 @@ class Forwarder(LaneOwner):
             raise UpstreamFailure("error", detail, request_sent=False) from exc
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        pool = WorkerPool(upstream.url, address, self._pool_size, self._loop)
+        share = self._buffering.paced_share
+        pool = WorkerPool(upstream.url, address, self.pool_size, self._loop, share)
         self._pools[upstream.worker_id] = pool
         return pool
+
+    async def _gather_body(self, exchange: Exchange) -> bytes | None:
+        """The whole body, read before any worker connection is taken, when it fits the
+        body buffer and the budget: a slow upload then holds only its own bytes, and
+        its silence is the body timeout's (408). None when it streams instead: too large
+        (by its Content-Length, or chunked and grown past the buffer: the part here
+        goes first), or the budget is spent. Raises UpstreamFailure (nothing was sent)."""
+        request = exchange.request
+        stream = request.body
+        assert stream is not None
+        bound = self._buffering.body_bytes
+        length = request.content_length
+        if length is None:
+            length = stream.received if stream.complete else bound
+        if length > bound or not self.budget.reserve(length):
+            return None
+        exchange.reserved += length
+        if not stream.complete:
+            try:
+                if not await stream.gather(length):
+                    return None  # chunked, past the buffer: it streams
+            except BodyBroken as broken:
+                raise body_failure(broken, request_sent=False) from None
+        body = request.read_now()
+        limit = self.max_body_bytes
+        if limit is not None and len(body) > limit:  # chunked: no length was announced
+            raise UpstreamFailure("too_large", "the request body is over the limit", False)
+        return body
+
+    def _let_go(self, exchange: Exchange) -> None:
+        """The forward is over: its connection dropped unless the relay gave it back, its
+        paced place and its buffer bytes returned."""
+        exchange.settle(clean=False)  # a no-op once the relay settled it
+        reserved = exchange.reserved
+        if reserved:
+            exchange.reserved = 0
+            self.budget.give_back(reserved)
 
     async def _send(self, exchange: Exchange, first: bytes, whole: bool) -> None:
         """Writes the request (`first` and `whole`: see `router.relay.request.outgoing`) on a
@@ -248,9 +317,16 @@ class Forwarder(LaneOwner):
         assert loop is not None
         timeouts = self._timeouts
         pool = exchange.pool
+        if not whole:
+            # A body that streams holds its connection at the client's pace: only the
+            # pool's share for that, so the rest stays for requests whose bodies are in.
+            if not pool.take_paced():
+                detail = f"its {pool.paced_limit} places for streamed uploads are taken"
+                raise UpstreamFailure("busy", detail, request_sent=False)
+            exchange.paced = True
         try:
             conn = await pool.acquire(loop.time() + timeouts.connect_s)
-        except (OSError, PoolClosed) as exc:
+        except (OSError, PoolClosed, PoolBusy) as exc:
             raise connect_failure(exc, timeouts, request_sent=False) from exc
         exchange.conn = conn
         # A client that leaves while the worker works wakes the wait for its reply at once.
@@ -360,6 +436,17 @@ class Forwarder(LaneOwner):
             exchange.settle(clean=False)
             send_cut(request, (status, reason, headers), body, why, self._timeouts.stream_idle_s)
             return status
+        why = await self._buffer_or_pace(exchange, length)
+        if why is None:
+            status = send_whole(exchange, public_base)  # its connection is back in the pool
+            await _client_took_it(request)  # its bytes stay reserved until then
+            return status
+        if why is not _STREAMS:
+            headers = client_headers(exchange, public_base)
+            body = conn.take_body()
+            exchange.settle(clean=False)
+            send_cut(request, (status, reason, headers), body, why, self._timeouts.stream_idle_s)
+            return status
         headers = client_headers(exchange, public_base)
         idle_s = self._timeouts.stream_idle_s
         why = await stream_reply(request, (status, reason, headers), conn, idle_s)
@@ -371,6 +458,69 @@ class Forwarder(LaneOwner):
             log.info("reply to %s %s aborted: %s", request.method, request.path, why)
             request.client.reply_abort(idle_s)
         return status
+
+    async def _buffer_or_pace(self, exchange: Exchange, length: int | None) -> str | None:
+        """How a reply too large to go in one write is relayed: None once it is read
+        whole into memory (its Content-Length fits the reply buffer and the budget),
+        `_STREAMS` to relay it at the client's pace, else why it broke off.
+
+        An event stream streams, and takes no paced place (it is per session and must
+        flush at once). A reply of unknown length streams too (its head goes out at
+        once), in one of the pool's paced places. A reply larger than the buffer takes a
+        paced place; none free, it is read whole all the same as far as the budget goes.
+        A reply that streams with no paced place free is counted (`paced_over_share`):
+        a reply the worker made is never dropped for the router's crowding."""
+        conn = exchange.conn
+        assert conn is not None
+        if _is_event_stream(conn.reply.raw_headers):
+            return _STREAMS
+        bound = self._buffering.reply_bytes
+        if length is not None and length <= bound:
+            why = await self._read_whole(exchange, length, length)
+            if why is not _STREAMS:
+                return why
+        if exchange.paced or exchange.pool.take_paced():
+            exchange.paced = True
+            return _STREAMS
+        if length is not None and length > bound:
+            why = await self._read_whole(exchange, None, bound)
+            if why is not _STREAMS:
+                return why
+        self.paced_over_share += 1
+        return _STREAMS
+
+    async def _read_whole(self, exchange: Exchange, most: int | None, step: int) -> str | None:
+        """Reads the reply to its end into memory, reserving budget `step` bytes at a
+        time and reading no further than reserved: None at its end, `_STREAMS` once it
+        passes `most` bytes (None: no bound but the budget) or the budget is spent, else
+        why it broke off. Raises UpstreamFailure (client_left) when the client leaves."""
+        conn = exchange.conn
+        assert conn is not None
+        reply = conn.reply
+        request = exchange.request
+        idle_s = self._timeouts.stream_idle_s
+        loop = self._loop
+        assert loop is not None
+        held = 0
+        try:
+            while not reply.complete:
+                if reply.broken is not None:
+                    return f"the worker's reply broke off ({reply.broken})"
+                if request.client.client_gone:
+                    raise UpstreamFailure("client_left", CLIENT_GONE, request_sent=True)
+                if most is not None and reply.buffered > most:
+                    return _STREAMS
+                if reply.buffered >= held:
+                    if not self.budget.reserve(step):
+                        return _STREAMS
+                    held += step
+                    exchange.reserved += step
+                    conn.read_up_to(held)
+                if await conn.wait(loop.time() + idle_s) == TIMED_OUT:
+                    return f"no reply data for {idle_s:g} s"
+            return None
+        finally:
+            conn.read_up_to(None)
 
     async def _whole_reply(self, conn: WorkerConnection, request: PublicRequest) -> str | None:
         """Reads a reply known to be small to its end; None then, else why it stopped.
@@ -408,3 +558,23 @@ class Forwarder(LaneOwner):
                 return
         if reply.complete and reply.buffered <= wanted:
             observer.body(reply.peek_body())
+
+
+# What `_buffer_or_pace` returns for a reply relayed at the client's pace (compared by
+# identity: a reason for a broken reply is never this object).
+_STREAMS: Final = "relayed at the client's pace"
+_EVENT_STREAM: Final = b"text/event-stream"
+
+
+def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
+    """True for a reply whose Content-Type is an event stream (SSE)."""
+    for name, value in headers:
+        if len(name) == 12 and name.lower() == b"content-type":
+            return value.split(b";", 1)[0].strip().lower() == _EVENT_STREAM
+    return False
+
+
+async def _client_took_it(request: PublicRequest) -> None:
+    """Returns once the client has taken what was written to it (or left)."""
+    with contextlib.suppress(ConnectionError):
+        await request.client.drain()

@@ -5,7 +5,9 @@ stack a connection returns to after a complete exchange, the bound on connection
 worker and the queue of requests waiting for one, and the close of connections idle for
 `KEEPALIVE_S`. It never reads or writes a connection's bytes (`router.relay.connection`
 does), never decides whether a connection may be reused (the exchange does, from the
-parsed reply) and never builds or reads HTTP itself.
+parsed reply) and never builds or reads HTTP itself. It also keeps the count of places
+held at a client's pace (a streamed upload, a reply streamed to a slow reader), bounded
+to a share of the pool so that one client's slowness cannot hold every connection.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections import deque
 from router.relay.connection import ConnectionOwner, WorkerConnection
 from router.relay.wire import WorkerAddress
 
-__all__ = ["KEEPALIVE_S", "PoolClosed", "WorkerPool"]
+__all__ = ["KEEPALIVE_S", "PoolBusy", "PoolClosed", "WorkerPool", "paced_limit"]
 
 log = logging.getLogger("episode_router.forward")
 
@@ -30,6 +32,17 @@ KEEPALIVE_S = 4.0
 
 class PoolClosed(Exception):
     """The pool closed (the worker was forgotten, or the router is stopping)."""
+
+
+class PoolBusy(Exception):
+    """Every connection of the pool stayed busy until the deadline: the router's own
+    crowding, not a failure of the worker (which was never asked)."""
+
+
+def paced_limit(limit: int, share: float) -> int:
+    """How many of a pool's `limit` places may be held at a client's pace: `share` of
+    them (0 < share <= 1), rounded down, at least one (a pool of one may still stream)."""
+    return max(1, int(limit * share))
 
 
 class WorkerPool(ConnectionOwner):
@@ -53,15 +66,25 @@ class WorkerPool(ConnectionOwner):
         "closed",
         "keep_alive",
         "limit",
+        "paced",
+        "paced_limit",
         "url",
     )
 
     def __init__(
-        self, url: str, address: WorkerAddress, limit: int, loop: asyncio.AbstractEventLoop
+        self,
+        url: str,
+        address: WorkerAddress,
+        limit: int,
+        loop: asyncio.AbstractEventLoop,
+        paced_share: float = 1.0,
     ) -> None:
         self.url = url
         self.address = address
         self.limit = limit
+        # Places held at a client's pace, and how many may be (`take_paced`).
+        self.paced = 0
+        self.paced_limit = paced_limit(limit, paced_share)
         self.closed = False
         # False once the worker sent bytes nobody asked for (`stray`): from then on each
         # of its connections carries one exchange and closes.
@@ -80,7 +103,8 @@ class WorkerPool(ConnectionOwner):
     async def acquire(self, deadline: float) -> WorkerConnection:
         """A connection for one exchange, idle or new, by `deadline` (loop time).
 
-        Raises TimeoutError (none in time), OSError (connect failed) or PoolClosed.
+        Raises PoolBusy (every place stayed taken until the deadline), TimeoutError (the
+        connect did not finish in time), OSError (connect failed) or PoolClosed.
         """
         if self.closed:
             raise PoolClosed
@@ -91,6 +115,18 @@ class WorkerPool(ConnectionOwner):
             self._taken += 1
             return await self._open(deadline)
         return await self._wait_turn(deadline)
+
+    def take_paced(self) -> bool:
+        """Counts one more exchange held at a client's pace; False (nothing counted) when
+        the pool's share for them is full. `give_paced` gives it back."""
+        if self.paced >= self.paced_limit:
+            return False
+        self.paced += 1
+        return True
+
+    def give_paced(self) -> None:
+        """An exchange counted by `take_paced` let go of its connection."""
+        self.paced -= 1
 
     def take_idle(self) -> WorkerConnection | None:
         """The warmest usable idle connection, at once; None when there is none (the
@@ -291,4 +327,5 @@ class WorkerPool(ConnectionOwner):
 
 def _expire(waiter: asyncio.Future[WorkerConnection | None]) -> None:
     if not waiter.done():
-        waiter.set_exception(TimeoutError())
+        # Its turn never came: the pool was full, the worker was not asked anything.
+        waiter.set_exception(PoolBusy())

@@ -18,7 +18,7 @@ from typing import Final
 from router.edge import BodyBroken, PublicRequest
 from router.relay.contract import ForwardTimeouts, UpstreamFailure
 from router.relay.exchange import Exchange
-from router.relay.pool import PoolClosed
+from router.relay.pool import PoolBusy, PoolClosed
 from router.relay.wire import worker_request_head
 
 __all__ = ["WHOLE_BODY_MAX", "body_failure", "connect_failure", "framed_body", "outgoing"]
@@ -118,6 +118,9 @@ def connect_failure(
         return UpstreamFailure(
             "error", "its connections were closed (it exited)", request_sent=request_sent
         )
+    if isinstance(exc, PoolBusy):
+        detail = f"all its connections stayed busy for {timeouts.connect_s:g} s"
+        return UpstreamFailure("busy", detail, request_sent=request_sent)
     if isinstance(exc, TimeoutError):
         detail = f"no connection within {timeouts.connect_s:g} s"
         return UpstreamFailure("timeout", detail, request_sent=request_sent)

@@ -42,6 +42,7 @@ from router.service.settings import (
     control_policy,
     core_settings,
     edge_limits,
+    forward_buffering,
     forward_timeouts,
     session_kinds,
     spawn_spec,
@@ -68,7 +69,11 @@ class RouterService:
         self.boot = secrets.token_hex(8)
         self._clock = time.monotonic
         self.core = RouterCore(core_settings(config), self._clock(), on_retire=self._retired)
-        self.forwarder = Forwarder(forward_timeouts(config))
+        self.forwarder = Forwarder(
+            forward_timeouts(config),
+            pool_size_per_upstream=config.limits.worker_connections,
+            buffering=forward_buffering(config),
+        )
         self.forwarder.max_body_bytes = config.limits.max_body_bytes
         self.forwarder.end_to_end = end_to_end_headers(config.session_headers)
         self.metrics = self._build_metrics()
@@ -367,6 +372,8 @@ class RouterService:
         self.forwarder.end_to_end = end_to_end_headers(target.session_headers)
         self.control.set_policy(control_policy(target, self.boot))
         self.forwarder.set_timeouts(forward_timeouts(target))
+        self.forwarder.set_buffering(forward_buffering(target))
+        self.forwarder.pool_size = target.limits.worker_connections  # pools opened from now on
         if self._edge is not None:
             self._edge.set_limits(edge_limits(target))
         self.prober.path = target.health.path

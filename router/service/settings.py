@@ -21,7 +21,7 @@ from router.config import Config, SpawnConfig
 from router.control import ControlPolicy
 from router.core import CoreSettings
 from router.edge import EdgeLimits
-from router.relay import ForwardTimeouts
+from router.relay import BufferLimits, ForwardTimeouts
 from router.service.spawner import SpawnSpec, plan_workers
 from router.sessions import SessionKind, kind_from_config
 
@@ -55,6 +55,17 @@ def forward_timeouts(config: Config) -> ForwardTimeouts:
         connect_s=timeouts.connect_s,
         first_byte_s=timeouts.first_byte_s,
         stream_idle_s=timeouts.stream_idle_s,
+    )
+
+
+def forward_buffering(config: Config) -> BufferLimits:
+    """What the forwarder holds in memory so slow clients cost no worker connection."""
+    limits = config.limits
+    return BufferLimits(
+        body_bytes=limits.body_buffer_bytes,
+        reply_bytes=limits.reply_buffer_bytes,
+        budget_bytes=limits.buffer_budget_bytes,
+        paced_share=limits.paced_share_percent / 100,
     )
 
 

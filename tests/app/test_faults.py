@@ -434,7 +434,9 @@ async def test_a_malformed_chunk_after_the_head_was_forwarded_is_400_and_closed(
     rig: Rig, tmp_path: Path
 ) -> None:
     timeouts = TimeoutsConfig(connect_s=1.0, first_byte_s=1.0, stream_idle_s=5.0)
-    router = await rig.start_router(router_config(tmp_path, timeouts=timeouts))
+    # No body buffer: the chunked body streams, so its head is forwarded before the chunk.
+    config = router_config(tmp_path, timeouts=timeouts, limits=limits(body_buffer_bytes=0))
+    router = await rig.start_router(config)
     worker = await ScriptedWorker("w0").start(rig)
     conn = await RawHttp.open(router.public_port)
     try:

@@ -502,7 +502,7 @@ async def test_a_sessionless_request_queued_for_a_worker_that_exits_goes_to_anot
     rig: Rig,
 ) -> None:
     await rig.start_router()
-    rig.router.forwarder._pool_size = 1  # one connection to w0: the next request queues
+    rig.router.forwarder.pool_size = 1  # one connection to w0: the next request queues
     w0 = await rig.add_worker("w0", lease="raw")
     await rig.add_worker("w1")
     assert (await rig.admin("POST", "/admin/workers/w1/drain")).status == 200

@@ -26,6 +26,7 @@ CONTRACT = {
     "uri_too_long": 414,
     "headers_too_large": 431,
     "shutting_down": 503,
+    "worker_busy": 503,
     "request_timeout": 408,
 }
 

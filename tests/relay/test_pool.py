@@ -16,7 +16,7 @@ import pytest
 
 from router.relay import pool as relay_pool
 from router.relay.connection import WOKE, WorkerConnection
-from router.relay.pool import PoolClosed, WorkerPool
+from router.relay.pool import PoolBusy, PoolClosed, WorkerPool, paced_limit
 from router.relay.wire import parse_worker_address
 
 pytestmark = pytest.mark.timeout(30)
@@ -155,11 +155,13 @@ async def test_at_the_limit_a_request_waits_for_a_released_connection(worker: Wo
     pool.close()
 
 
-async def test_waiting_for_a_connection_is_bounded(worker: Worker) -> None:
+async def test_waiting_for_a_connection_is_bounded_and_says_the_pool_was_busy(
+    worker: Worker,
+) -> None:
     pool = make_pool(worker.url, limit=1)
     held = await pool.acquire(soon())
     started = time.monotonic()
-    with pytest.raises(TimeoutError):
+    with pytest.raises(PoolBusy):
         await pool.acquire(soon(0.2))
     assert 0.15 <= time.monotonic() - started < 1.0
     await eventually(lambda: len(worker.peers) == 1)
@@ -178,7 +180,7 @@ async def test_a_closed_connection_gives_its_place_to_the_next_in_line(worker: W
     fresh = await waiting
     assert fresh is not held and not fresh.reused
     await eventually(lambda: len(worker.peers) == 2)
-    with pytest.raises(TimeoutError):  # the limit still holds: one connection, held
+    with pytest.raises(PoolBusy):  # the limit still holds: one connection, held
         await pool.acquire(soon(0.1))
     pool.close()
 
@@ -301,3 +303,18 @@ async def test_unix_socket_connection(tmp_path: Path) -> None:
         pool.close()
     finally:
         await worker.stop()
+
+
+def test_the_paced_share_is_a_part_of_the_pool_and_at_least_one_place() -> None:
+    assert [paced_limit(256, 0.5), paced_limit(10, 0.25), paced_limit(1, 0.5)] == [128, 2, 1]
+    assert paced_limit(4, 1.0) == 4
+
+
+async def test_places_held_at_a_clients_pace_stop_at_their_share(worker: Worker) -> None:
+    loop = asyncio.get_running_loop()
+    pool = WorkerPool(worker.url, parse_worker_address(worker.url), 4, loop, paced_share=0.5)
+    assert (pool.take_paced(), pool.take_paced(), pool.take_paced()) == (True, True, False)
+    assert pool.paced == 2
+    pool.give_paced()
+    assert (pool.take_paced(), pool.paced) == (True, 2)
+    pool.close()

@@ -1,0 +1,264 @@
+"""Worker pools one client cannot monopolise, through a real router (design §1, §8).
+
+A `RouterService` runs in this process on loopback ports with a small pool per worker
+(`limits.worker_connections`), so a handful of hostile clients is enough to fill it when the
+router lets them: slow uploads, uploads too large to buffer, and clients that never read
+their replies. Each test then asks what a well-behaved client of the same worker gets,
+and what the worker saw: slow clients must cost their own bytes, not its connections,
+and a pool that is full anyway is 503 `worker_busy`, never the worker's fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.config import LimitsConfig, TimeoutsConfig
+from router.service.router_service import RouterService
+from tests.app.test_faults import ScriptedWorker, request_bytes
+from tests.metrics.test_registry import scrape, series
+from tests.router_fixtures import TOKEN_HEADER, RawHttp, Rig, open_rig, router_config, token
+
+pytestmark = pytest.mark.timeout(30)
+
+POOL = 4  # connections per worker in these tests: the share for paced exchanges is 2
+
+
+@pytest.fixture
+async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
+    async with open_rig(tmp_path) as rig:
+        yield rig
+
+
+async def start(rig: Rig, tmp_path: Path, **limit_fields: Any) -> RouterService:
+    """A router whose pools hold POOL connections, with `limits` changed by `limit_fields`."""
+    timeouts = TimeoutsConfig(connect_s=0.5, first_byte_s=5.0, stream_idle_s=5.0)
+    fields = {"worker_connections": POOL, **limit_fields}
+    limits = dataclasses.replace(LimitsConfig(), **fields)
+    return await rig.start_router(router_config(tmp_path, timeouts=timeouts, limits=limits))
+
+
+def episode_headers(body_length: int | None = None) -> list[tuple[str, str]]:
+    headers = [(TOKEN_HEADER, token("ep"))]
+    if body_length is not None:
+        headers.append(("Content-Length", str(body_length)))
+    return headers
+
+
+async def steady_call(router: RouterService) -> tuple[int, float]:
+    """One small call for the episode: its status and how long it took."""
+    conn = await RawHttp.open(router.public_port)
+    try:
+        started = time.monotonic()
+        conn.send(request_bytes("POST", "/tool", episode_headers(), b'{"x":1}'))
+        status, _, _ = await conn.read_reply()
+        return status, time.monotonic() - started
+    finally:
+        conn.close()
+
+
+async def open_clients(router: RouterService, count: int, first_bytes: bytes) -> list[RawHttp]:
+    clients = []
+    for _ in range(count):
+        conn = await RawHttp.open(router.public_port)
+        conn.send(first_bytes)
+        clients.append(conn)
+    return clients
+
+
+def upstream_failures(router: RouterService) -> dict[str, float]:
+    return series(scrape(router.metrics), "episode_router_upstream_failures_total")
+
+
+async def test_slow_uploads_that_fit_the_buffer_hold_no_worker_connection(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path)
+    worker = await ScriptedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    slow_head = request_bytes("POST", "/upload", episode_headers(1000)) + b"a" * 10
+    slow = await open_clients(router, 3 * POOL, slow_head)  # 10 bytes of 1000, then silence
+    try:
+        await asyncio.sleep(0.3)
+        results = [await steady_call(router) for _ in range(5)]
+    finally:
+        for conn in slow:
+            conn.close()
+
+    assert [status for status, _ in results] == [200] * 5
+    assert max(took for _, took in results) < 2.0, results  # never a wait for a connection
+    assert worker.connections == 1  # only the steady calls' connection, kept alive
+    assert [arrived.target for arrived in worker.arrived] == ["/tool"] * 5
+    assert upstream_failures(router) == {}
+
+
+async def test_a_body_buffered_behind_expect_100_continue_gets_the_routers_100(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path)
+    worker = await ScriptedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    headers = [*episode_headers(5), ("Expect", "100-continue")]
+    conn = await RawHttp.open(router.public_port)
+    try:
+        conn.send(request_bytes("POST", "/upload", headers))
+        interim, _, _ = await conn.read_head()
+        await asyncio.sleep(0.3)
+        assert worker.connections == 0  # no connection is taken before the body is in
+        conn.send(b"hello")
+        status, _, _ = await conn.read_reply()
+    finally:
+        conn.close()
+
+    assert (interim, status) == (100, 200)
+    [arrived] = worker.arrived
+    assert arrived.body == b"hello"
+    assert arrived.values("expect") == []
+
+
+async def test_a_chunked_body_that_grows_past_the_buffer_streams_from_where_it_ended(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path, body_buffer_bytes=1024)
+    worker = await ScriptedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    headers = [*episode_headers(), ("Transfer-Encoding", "chunked")]
+    parts = [bytes([65 + n]) * 700 for n in range(4)]
+    conn = await RawHttp.open(router.public_port)
+    try:
+        conn.send(request_bytes("POST", "/upload", headers))
+        for part in parts:
+            conn.send(b"%x\r\n%b\r\n" % (len(part), part))
+            await asyncio.sleep(0.05)
+        conn.send(b"0\r\n\r\n")
+        status, _, _ = await conn.read_reply()
+    finally:
+        conn.close()
+
+    assert status == 200
+    [arrived] = worker.arrived
+    assert arrived.decoded == b"".join(parts)
+    assert arrived.values("transfer-encoding") == ["chunked"]  # it streamed
+
+
+async def test_uploads_too_large_to_buffer_hold_only_their_share_and_the_rest_is_503(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path, body_buffer_bytes=16)
+    worker = await ScriptedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    big_head = request_bytes("POST", "/upload", episode_headers(100_000)) + b"b" * 100
+    streaming = await open_clients(router, POOL // 2, big_head)
+    extra = await RawHttp.open(router.public_port)
+    try:
+        await asyncio.sleep(0.3)
+        extra.send(big_head)
+        status, headers, body = await extra.read_reply()
+        steady = [await steady_call(router) for _ in range(3)]
+    finally:
+        for conn in [*streaming, extra]:
+            conn.close()
+
+    assert (status, json.loads(body)["error"]) == (503, "worker_busy"), body
+    assert headers["retry-after"] == "1"
+    assert [status for status, _ in steady] == [200] * 3
+    assert worker.connections == POOL // 2 + 1  # the two uploads, and the steady calls'
+    assert upstream_failures(router) == {}
+    assert (await rig.worker_views())["w0"]["state"] == "live"
+
+
+async def test_a_full_pool_is_503_worker_busy_and_the_worker_is_not_blamed(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path, worker_connections=1)
+    worker = await rig.add_worker("w0")
+    await worker.claim("ep-a0")
+    held = asyncio.ensure_future(rig.request("POST", "/hang", episode=token("ep"), data=b"a"))
+    try:
+        for _ in range(100):  # 2 s at most
+            if worker.parked:
+                break
+            await asyncio.sleep(0.02)
+        started = time.monotonic()
+        reply = await rig.request("POST", "/tool", episode=token("ep"), data=b"b")
+        took = time.monotonic() - started
+    finally:
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+
+    assert (reply.status, reply.json()["error"]) == (503, "worker_busy"), reply
+    assert reply.headers["Retry-After"] == "1"
+    assert 0.4 <= took < 3.0, took  # it waited connect_s for a turn
+    assert upstream_failures(router) == {}
+    assert (await rig.worker_views())["w0"]["state"] == "live"
+
+
+def _reading_nothing() -> socket.socket:
+    """A client socket with the smallest receive buffer: what it does not read stays in
+    the router, not in its kernel."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    return sock
+
+
+async def test_clients_that_never_read_a_reply_that_fits_the_buffer_hold_no_connection(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # Replies larger than the kernel's socket buffers on loopback (4 MiB at most), so what
+    # a client does not read stays in the router; the reply buffer is raised to fit them.
+    size = 6_000_000
+    router = await start(rig, tmp_path, reply_buffer_bytes=8 << 20)
+    worker = await rig.add_worker("w0")
+    await worker.claim("ep-a0")
+    ask = request_bytes("GET", f"/big?bytes={size}", episode_headers())
+    loop = asyncio.get_running_loop()
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(2 * POOL):
+            sock = _reading_nothing()
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", router.public_port))
+            await loop.sock_sendall(sock, ask)
+            idle.append(sock)
+        await asyncio.sleep(0.5)
+        results = [await steady_call(router) for _ in range(3)]
+        held = router.forwarder.budget.held
+    finally:
+        for sock in idle:
+            sock.close()
+
+    assert [status for status, _ in results] == [200] * 3
+    assert max(took for _, took in results) < 2.0, results
+    assert 2 * POOL * size // 2 <= held <= router.forwarder.budget.limit  # in memory, within budget
+    assert upstream_failures(router) == {}
+
+
+async def test_past_the_budget_a_body_streams_as_a_large_one_would(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path, buffer_budget_bytes=0)
+    worker = await ScriptedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    conn = await RawHttp.open(router.public_port)
+    try:
+        conn.send(request_bytes("POST", "/upload", episode_headers(20)) + b"c" * 10)
+        for _ in range(100):  # 2 s at most
+            if worker.connections:
+                break
+            await asyncio.sleep(0.02)
+        streamed = worker.connections
+        conn.send(b"c" * 10)
+        status, _, _ = await conn.read_reply()
+    finally:
+        conn.close()
+
+    assert (streamed, status) == (1, 200)  # the worker had the head before the body was in
+    assert router.forwarder.budget.refused >= 1
