@@ -58,7 +58,11 @@ _ENV_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CONTROL_KEYS: Final = (
     *("socket", "allowed_uids", "allowed_upstreams", "secret_env", "secret_file"),
     *("lease_timeout_s", "reconnect_grace_s"),
+    *("max_claims_per_worker", "max_connections_before_hello"),
 )
+# A hello line, which carries it, is bounded to 64 KiB before the hello is accepted: this
+# fits even when JSON escapes every byte (six bytes each).
+MAX_CONTROL_SECRET_BYTES: Final = 8 << 10
 _CLAIMS_KEYS: Final = (
     "tombstone_ttl_s",
     "max_tombstones",
@@ -169,12 +173,20 @@ def _control(sec: Section) -> ControlConfig:
     uids = tuple(read_integer(sec.ctx, p, v, 0, 2**32 - 2) for p, v in sec.items("allowed_uids"))
     upstreams = tuple(_upstream(sec.ctx, p, v) for p, v in sec.items("allowed_upstreams"))
     secret = secret_text(sec, "secret", header_safe=False)
+    if secret is not None and len(secret[1].encode()) > MAX_CONTROL_SECRET_BYTES:
+        reason = f"the secret must be at most {MAX_CONTROL_SECRET_BYTES} bytes"
+        raise sec.fail(secret[0], reason + ": a hello carrying it must fit the 64 KiB line bound")
     if mismatch := _control_problem(socket, secret is not None, uids):
         key, reason = mismatch
         raise sec.fail(secret[0] if key == "secret" and secret else key, reason)
     lease = sec.seconds("lease_timeout_s", d.lease_timeout_s)
     grace = sec.seconds("reconnect_grace_s", d.reconnect_grace_s)
-    return ControlConfig(socket, uids, upstreams, secret and secret[1], lease, grace)
+    # At most 2,000,000: the most claims one sync reply is sized to count.
+    claims = sec.integer("max_claims_per_worker", d.max_claims_per_worker, 1, 2_000_000)
+    waiting = sec.integer("max_connections_before_hello", d.max_connections_before_hello)
+    return ControlConfig(
+        socket, uids, upstreams, secret and secret[1], lease, grace, claims, waiting
+    )
 
 
 def _control_problem(

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.control.refusals import (
-    SYNC_MAX_PENDING,
     SyncRefusals,
     claim_refused,
     not_holder,
@@ -43,6 +42,12 @@ from router.protocol import (
 )
 
 _WORKER_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+# A worker runs far fewer episodes at once; at about 700 B a claim this bounds what one
+# worker makes the router hold to about 70 MB (control.max_claims_per_worker).
+MAX_CLAIMS_PER_WORKER = 100_000
+# Twice the largest spawn (256), all reconnecting at once after a router restart; at
+# 64 KiB of partial line each, they hold at most 32 MiB (control.max_connections_before_hello).
+MAX_CONNECTIONS_BEFORE_HELLO = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,10 @@ class ControlPolicy:
     spawned_ids: frozenset[str] = frozenset()  # the ids of the workers `spawn:` starts
     # The ids of spawned workers that never say hello (`spawn.register: probe`).
     probed_ids: frozenset[str] = frozenset()
+    # Claims one worker may hold, and list in one sync (`control.max_claims_per_worker`).
+    max_claims_per_worker: int = MAX_CLAIMS_PER_WORKER
+    # Connections that may wait for their hello at once (the server refuses more).
+    max_connections_before_hello: int = MAX_CONNECTIONS_BEFORE_HELLO
 
 
 # -- the fast path for claim and release -------------------------------------------
@@ -147,7 +156,10 @@ class ControlSession:
             return None
         worker.last_heard = now
         if op == b"claim":
-            refusal = self.core.claim(worker, kind, raw_key.decode(), now)
+            key = raw_key.decode()
+            if self._over_claim_cap(worker, kind, key):
+                return "claim", "too_many_claims", encode_line(self._too_many(json.loads(raw_id)))
+            refusal = self.core.claim(worker, kind, key, now)
             if refusal is None:
                 return "claim", "ok", b'{"id":' + raw_id + b',"ok":true}\n'
             return "claim", refusal.error, encode_line(claim_refused(json.loads(raw_id), refusal))
@@ -275,6 +287,8 @@ class ControlSession:
         if isinstance(parsed, dict):
             return parsed
         assert self.worker is not None
+        if self._over_claim_cap(self.worker, *parsed):
+            return self._too_many(request.get("id"))
         refusal = self.core.claim(self.worker, *parsed, now)
         if refusal is None:
             return {"id": request.get("id"), "ok": True}
@@ -306,9 +320,11 @@ class ControlSession:
                 refusals.omitted += 1
             else:
                 refusals.add(refused_sync_entry(entry, parsed))
-        if len(pending) > SYNC_MAX_PENDING:
+        if len(pending) > self.policy.max_claims_per_worker:
+            # Refused whole, the keys it held so far dropped: applying part of a set
+            # would end claims the worker still means to hold.
             self._sync_pending = None
-            return error_reply(rid, "bad_request", "The sync lists too many claims.")
+            return self._too_many(rid)
         if more:
             self._sync_pending = pending
             return refusals.reply(rid, 0, more=True)
@@ -321,6 +337,23 @@ class ControlSession:
                 break
             refusals.add({"kind": kind, "key": key, "error": why.error})
         return refusals.reply(rid, result.accepted, more=False)
+
+    def _over_claim_cap(self, worker: Worker, kind: str, key: str) -> bool:
+        """True when claiming `key` would make `worker` hold more than its cap: a key it
+        holds already, or one the core would refuse anyway, is answered as usual."""
+        claims = self.core.claims
+        if claims.held_count(worker.id) < self.policy.max_claims_per_worker:
+            return False
+        return claims.lookup(kind, key) is None
+
+    def _too_many(self, request_id: object) -> Reply:
+        limit = self.policy.max_claims_per_worker
+        return error_reply(
+            request_id,
+            "too_many_claims",
+            f"This worker may hold at most {limit} claims (control.max_claims_per_worker).",
+            limit=limit,
+        )
 
     # -- the rest --------------------------------------------------------------
 

@@ -82,6 +82,8 @@ def control_policy(config: Config, router_boot: str) -> ControlPolicy:
         router_boot=router_boot,
         spawned_ids=_spawned_ids(config, register="hello"),
         probed_ids=_spawned_ids(config, register="probe"),
+        max_claims_per_worker=control.max_claims_per_worker,
+        max_connections_before_hello=control.max_connections_before_hello,
     )
 
 

@@ -1576,3 +1576,29 @@ def test_path_prefixes_and_learn_places() -> None:
     )
     assert named.seed is not None and named.seed.learn == (LearnConfig(request=True),)
     assert named.seed.learns_from_request and not token.seed.learns_from_request
+
+
+# ---------------------------------------------------------------------------- control bounds
+
+
+def test_the_control_bounds_are_read_and_checked() -> None:
+    config = parse("control: {max_claims_per_worker: 5, max_connections_before_hello: 7}")
+    assert config.control.max_claims_per_worker == 5
+    assert config.control.max_connections_before_hello == 7
+    assert Config().control.max_claims_per_worker == 100_000
+    for key, value in [("max_claims_per_worker", 0), ("max_claims_per_worker", 2_000_001)]:
+        with pytest.raises(ConfigError) as info:
+            parse(f"control: {{{key}: {value}}}")
+        assert info.value.key_path == f"control.{key}"
+    with pytest.raises(ConfigError) as info:
+        parse("control: {max_connections_before_hello: 0}")
+    assert info.value.key_path == "control.max_connections_before_hello"
+
+
+def test_a_control_secret_too_long_for_a_hello_line_is_refused() -> None:
+    tcp = "control: {socket: 'tcp://127.0.0.1:7000', secret_env: S}"
+    assert parse(tcp, {"S": "s" * 8192}).control.secret == "s" * 8192
+    with pytest.raises(ConfigError) as info:
+        parse(tcp, {"S": "s" * 8193})
+    assert info.value.key_path == "control.secret_env"
+    assert "at most 8192 bytes" in info.value.reason
