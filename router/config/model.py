@@ -59,6 +59,8 @@ class ControlConfig:
     # Twice the largest spawn, all reconnecting at once; at 64 KiB of partial line
     # each, those that may wait hold at most 32 MiB.
     max_connections_before_hello: int = 512
+    # Only a worker's own sockets (by its uid) unless an operator names shared folders.
+    worker_socket_dirs: tuple[str, ...] = ()
 
     @property
     def unix_path(self) -> str | None:

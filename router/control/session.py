@@ -27,6 +27,7 @@ from router.control.refusals import (
     not_holder,
     refused_sync_entry,
 )
+from router.control.worker_urls import SocketLookup, look_up_socket, url_refusal
 from router.core import RouterCore, Worker, WorkerOrigin, WorkerState
 from router.protocol import (
     MAX_KEY_CHARS,
@@ -35,7 +36,6 @@ from router.protocol import (
     UpstreamAddress,
     encode_line,
     error_reply,
-    is_loopback_upstream,
     parse_upstream,
     same_upstream,
     valid_boot,
@@ -75,6 +75,25 @@ class ControlPolicy:
     max_claims_per_worker: int = MAX_CLAIMS_PER_WORKER
     # Connections that may wait for their hello at once (the server refuses more).
     max_connections_before_hello: int = MAX_CONNECTIONS_BEFORE_HELLO
+    # The router's own listeners (public, admin, control): never a worker's url.
+    own_listeners: tuple[UpstreamAddress, ...] = ()
+    # Folders whose unix sockets any worker may name (`control.worker_socket_dirs`).
+    worker_socket_dirs: tuple[str, ...] = ()
+    # Where a unix socket path leads and who owns it (the filesystem, but for tests).
+    socket_lookup: SocketLookup = look_up_socket
+
+    def worker_url_refusal(
+        self, address: UpstreamAddress, owners: frozenset[int] | None
+    ) -> str | None:
+        """Why a worker whose sockets `owners` may own must not be reached at `address`."""
+        return url_refusal(
+            address,
+            allowed_upstreams=self.allowed_upstreams,
+            own_listeners=self.own_listeners,
+            socket_dirs=self.worker_socket_dirs,
+            owners=owners,
+            look_up=self.socket_lookup,
+        )
 
 
 # -- the fast path for claim and release -------------------------------------------
@@ -99,6 +118,11 @@ _ID_FIRST = re.compile(
     _OP + rb'"id":' + _ID + rb',"key":' + _KEY + rb'(?:,"kind":' + _KIND + rb")?\}"
 )
 _ID_LAST = re.compile(_OP + rb'"key":' + _KEY + rb',"kind":' + _KIND + rb',"id":' + _ID + rb"\}")
+
+
+def valid_worker_id(worker_id: str) -> bool:
+    """True for a worker id a hello may say: 1-64 of [A-Za-z0-9._:-]."""
+    return _WORKER_ID.fullmatch(worker_id) is not None
 
 
 class ControlSession:
@@ -233,10 +257,9 @@ class ControlSession:
             policy.allowed_uids | {policy.own_uid}
         ):
             return "forbidden", "This uid may not register workers."
-        if not is_loopback_upstream(address) and not any(
-            parse_upstream(allowed) == address for allowed in policy.allowed_upstreams
-        ):
-            return "forbidden", "The url is not loopback and not in control.allowed_upstreams."
+        owners = None if self.peer.tcp or self.peer.uid is None else frozenset({self.peer.uid})
+        if (refused := policy.worker_url_refusal(address, owners)) is not None:
+            return "forbidden", refused
         # Every worker at this address, not just the first: a lost one may share it with a
         # live one. Compared as addresses, not text: `localhost` and 127.0.0.1, or a port
         # written with a leading zero, must not let a worker take another's traffic.

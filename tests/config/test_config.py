@@ -1602,3 +1602,24 @@ def test_a_control_secret_too_long_for_a_hello_line_is_refused() -> None:
         parse(tcp, {"S": "s" * 8193})
     assert info.value.key_path == "control.secret_env"
     assert "at most 8192 bytes" in info.value.reason
+
+
+def test_worker_socket_dirs_are_absolute_folders() -> None:
+    config = parse("control: {worker_socket_dirs: [/run/workers, /srv/sockets/]}")
+    assert config.control.worker_socket_dirs == ("/run/workers", "/srv/sockets/")
+    with pytest.raises(ConfigError) as info:
+        parse("control: {worker_socket_dirs: [run/workers]}")
+    assert info.value.key_path == "control.worker_socket_dirs[0]"
+
+
+def test_a_static_worker_at_the_control_socket_is_refused() -> None:
+    text = """
+        control: {socket: 'unix:/run/r/control.sock'}
+        workers: [{id: s0, url: 'unix:/run/r/./control.sock'}]
+    """
+    with pytest.raises(ConfigError) as info:
+        parse(text)
+    assert (info.value.key_path, info.value.reason) == (
+        "workers[0].url",
+        "is the router's own control.socket",
+    )
