@@ -30,7 +30,7 @@ class AdminBackend(Protocol):
     @property
     def metrics(self) -> RouterMetrics: ...
     def worker_pid(self, worker_id: str) -> int | None: ...
-    def reload_from_file(self) -> ReloadPlan: ...
+    async def reload_from_file(self) -> ReloadPlan: ...
 
 
 _SERVICE: web.AppKey[AdminBackend] = web.AppKey("service")
@@ -149,7 +149,7 @@ async def _reload(request: web.Request) -> web.Response:
     """Reload the config file; a bad one is refused with its reason, the old one stays."""
     service = request.app[_SERVICE]
     try:
-        plan = service.reload_from_file()
+        plan = await service.reload_from_file()
     except LookupError as exc:
         return web.json_response({"error": "no_config_file", "detail": str(exc)}, status=409)
     except (ConfigError, ValueError) as exc:

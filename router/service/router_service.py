@@ -100,6 +100,7 @@ class RouterService:
         self._edge: EdgeServer | None = None
         self._admin: web.BaseRunner | None = None
         self._tasks: set[asyncio.Task[object]] = set()
+        self._reload_lock = asyncio.Lock()
         self.public_port = 0
         self.admin_port = 0
 
@@ -409,12 +410,19 @@ class RouterService:
         )
         return plan
 
-    def reload_from_file(self) -> ReloadPlan:
+    async def reload_from_file(self) -> ReloadPlan:
         """Reload from the file the router was started with. Raises ConfigError
-        (bad file), ValueError (cannot apply) or LookupError (no file: a demo)."""
-        if self.config_path is None:
+        (bad file, or not a regular file), ValueError (cannot apply) or LookupError
+        (no file: a demo).
+
+        The file (and the secret files it names) is read in a thread: a slow disk
+        must not stall the event loop. One reload at a time, in the order asked."""
+        path = self.config_path
+        if path is None:
             raise LookupError("this router was not started from a config file")
-        return self.reload(load_config(self.config_path))
+        async with self._reload_lock:
+            new = await asyncio.to_thread(load_config, path)
+            return self.reload(new)
 
     async def check_worker(self, worker: Worker, generation: int | None = None) -> bool:
         """Probe `worker`'s address; retire it if nothing listens. True if it is gone.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 import pickle
 import time
 from collections.abc import Callable, Mapping
@@ -1623,3 +1624,28 @@ def test_a_static_worker_at_the_control_socket_is_refused() -> None:
         "workers[0].url",
         "is the router's own control.socket",
     )
+
+
+def test_a_config_path_that_is_not_a_regular_file_is_refused_without_blocking(
+    tmp_path: Path,
+) -> None:
+    fifo = tmp_path / "router.yaml"
+    os.mkfifo(fifo)  # no writer: a blocking open or read would wait for ever
+    cases = [(fifo, "a FIFO"), (tmp_path, "a directory"), (Path("/dev/null"), "a character device")]
+    for path, kind in cases:
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        assert (info.value.key_path, info.value.reason) == (
+            "(file)",
+            f"cannot read: not a regular file ({kind})",
+        )
+
+
+def test_a_secret_file_that_is_a_fifo_is_refused(tmp_path: Path) -> None:
+    fifo = tmp_path / "token.secret"
+    os.mkfifo(fifo)
+    config_file = tmp_path / "router.yaml"
+    config_file.write_text(verify(f"alg: HS256, secret_file: '{fifo}'"), encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(config_file)
+    assert "not a regular file (a FIFO)" in info.value.reason
