@@ -35,6 +35,9 @@ class AdminConfig:
     port: int = 9901
     # Loopback needs no token; any other host requires one (from token_env / token_file).
     token: str | None = None
+    # Only the bind address (and localhost on loopback): a name a page could rebind
+    # to this host is refused unless an operator lists it.
+    allowed_hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

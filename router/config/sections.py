@@ -47,7 +47,7 @@ from router.config.patterns import compile_path_prefix
 from router.config.reader import Context, Section, read_integer, read_text
 from router.config.secrets import inline_refused, secret_text
 from router.config.sessions import read_sessions
-from router.protocol import UNIX, is_loopback_host
+from router.protocol import UNIX, is_host, is_loopback_host
 
 TOP_KEYS: Final = (
     *("listen", "admin", "control", "workers", "health", "spawn", "sessions"),
@@ -81,7 +81,9 @@ def build_config(root: Section) -> Config:
         listen=_listen(root.child("listen", ("host", "port"))),
         admin=_admin(
             root.child(
-                "admin", ("host", "port", "token_env", "token_file"), inline_refused("token")
+                "admin",
+                ("host", "port", "token_env", "token_file", "allowed_hosts"),
+                inline_refused("token"),
             )
         ),
         control=_control(root.child("control", _CONTROL_KEYS, inline_refused("secret"))),
@@ -158,7 +160,16 @@ def _admin(sec: Section) -> AdminConfig:
     token = secret_text(sec, "token", header_safe=True)
     if token is None and not is_loopback_host(host):
         raise sec.fail(None, _admin_token_reason(host))
-    return AdminConfig(host, port, token[1] if token else None)
+    names = tuple(_host_name(sec.ctx, p, v) for p, v in sec.items("allowed_hosts"))
+    return AdminConfig(host, port, token[1] if token else None, names)
+
+
+def _host_name(ctx: Context, key_path: str, value: object) -> str:
+    """A host a client may name in an admin request's Host (lower-cased; no port)."""
+    name = read_text(ctx, key_path, value)
+    if not is_host(name):
+        raise ctx.fail(key_path, f"expected a host name or an IP address, got {quote(name)}")
+    return name.lower()
 
 
 def _admin_token_reason(host: str) -> str:
