@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -38,6 +39,17 @@ def test_check_config_warns_of_what_a_valid_file_likely_gets_wrong(
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"{likely_wrong}: ok")
     assert lines[1].startswith("warning: sessions[0] (resources): the seed learns cookie")
+
+
+@pytest.mark.parametrize("command", [["check-config"], ["run", "--config"]])
+def test_a_config_path_that_is_a_fifo_is_refused_at_once(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fifo = tmp_path / "router.yaml"
+    os.mkfifo(fifo)  # no writer: a blocking read would wait for ever
+    assert main([*command, str(fifo)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"episode-router: {fifo}: (file): cannot read: not a regular file (a FIFO)\n"
 
 
 def test_check_config_refuses_a_bad_file_with_path_key_and_reason(

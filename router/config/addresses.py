@@ -11,6 +11,7 @@ text alone.
 
 from __future__ import annotations
 
+import posixpath
 from typing import NamedTuple
 
 from router.config.errors import quote
@@ -96,3 +97,10 @@ def check_addresses(ctx: Context, config: Config) -> None:
             clash = hosts_clash(b.host, host, wildcard_clashes_any=False)
             if clash and b.first <= port <= b.last:
                 raise ctx.fail(f"workers[{i}].url", f"is the router's own {b.key_path} address")
+    control_path = config.control.unix_path
+    for i, worker in enumerate(config.workers):
+        address = parse_upstream(worker.url)
+        if control_path is None or isinstance(address, str) or not address.path:
+            continue
+        if address.path == posixpath.normpath(control_path):
+            raise ctx.fail(f"workers[{i}].url", "is the router's own control.socket")

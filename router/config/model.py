@@ -35,6 +35,9 @@ class AdminConfig:
     port: int = 9901
     # Loopback needs no token; any other host requires one (from token_env / token_file).
     token: str | None = None
+    # Only the bind address (and localhost on loopback): a name a page could rebind
+    # to this host is refused unless an operator lists it.
+    allowed_hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,14 @@ class ControlConfig:
     lease_timeout_s: float = 15.0
     # One ping interval: a client that reconnects at once keeps its episodes.
     reconnect_grace_s: float = 5.0
+    # A worker runs far fewer episodes at once; at about 700 B a claim this bounds one
+    # worker's claims (and one sync) to about 70 MB.
+    max_claims_per_worker: int = 100_000
+    # Twice the largest spawn, all reconnecting at once; at 64 KiB of partial line
+    # each, those that may wait hold at most 32 MiB.
+    max_connections_before_hello: int = 512
+    # Only a worker's own sockets (by its uid) unless an operator names shared folders.
+    worker_socket_dirs: tuple[str, ...] = ()
 
     @property
     def unix_path(self) -> str | None:

@@ -14,6 +14,7 @@ secret file reader it hands on touch the file system.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -78,9 +79,41 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
 
 
 def _read_bounded(path: str, limit: int) -> bytes:
-    """At most `limit + 1` bytes of a file, so an endless file (/dev/zero) cannot hang us."""
-    with open(path, "rb") as file:
-        return file.read(limit + 1)
+    """At most `limit + 1` bytes of a regular file. Anything else (a FIFO, a device, a
+    directory) is refused before a byte is read: a FIFO with no writer blocks a read
+    for ever, and an endless device (/dev/zero) never ends one. Opened non-blocking,
+    so that not even the open waits for a FIFO's writer."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotARegularFile(f"not a regular file ({_file_kind(mode)})")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+class NotARegularFile(OSError):
+    """A config or secret path names something other than a regular file."""
+
+
+def _file_kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "not a file")
 
 
 def _read_secret_file(path: str) -> bytes:

@@ -47,7 +47,7 @@ from router.config.patterns import compile_path_prefix
 from router.config.reader import Context, Section, read_integer, read_text
 from router.config.secrets import inline_refused, secret_text
 from router.config.sessions import read_sessions
-from router.protocol import UNIX, is_loopback_host
+from router.protocol import UNIX, is_host, is_loopback_host
 
 TOP_KEYS: Final = (
     *("listen", "admin", "control", "workers", "health", "spawn", "sessions"),
@@ -58,7 +58,11 @@ _ENV_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CONTROL_KEYS: Final = (
     *("socket", "allowed_uids", "allowed_upstreams", "secret_env", "secret_file"),
     *("lease_timeout_s", "reconnect_grace_s"),
+    *("max_claims_per_worker", "max_connections_before_hello", "worker_socket_dirs"),
 )
+# A hello line, which carries it, is bounded to 64 KiB before the hello is accepted: this
+# fits even when JSON escapes every byte (six bytes each).
+MAX_CONTROL_SECRET_BYTES: Final = 8 << 10
 _CLAIMS_KEYS: Final = (
     "tombstone_ttl_s",
     "max_tombstones",
@@ -79,7 +83,9 @@ def build_config(root: Section) -> Config:
         listen=_listen(root.child("listen", ("host", "port"))),
         admin=_admin(
             root.child(
-                "admin", ("host", "port", "token_env", "token_file"), inline_refused("token")
+                "admin",
+                ("host", "port", "token_env", "token_file", "allowed_hosts"),
+                inline_refused("token"),
             )
         ),
         control=_control(root.child("control", _CONTROL_KEYS, inline_refused("secret"))),
@@ -156,7 +162,16 @@ def _admin(sec: Section) -> AdminConfig:
     token = secret_text(sec, "token", header_safe=True)
     if token is None and not is_loopback_host(host):
         raise sec.fail(None, _admin_token_reason(host))
-    return AdminConfig(host, port, token[1] if token else None)
+    names = tuple(_host_name(sec.ctx, p, v) for p, v in sec.items("allowed_hosts"))
+    return AdminConfig(host, port, token[1] if token else None, names)
+
+
+def _host_name(ctx: Context, key_path: str, value: object) -> str:
+    """A host a client may name in an admin request's Host (lower-cased; no port)."""
+    name = read_text(ctx, key_path, value)
+    if not is_host(name):
+        raise ctx.fail(key_path, f"expected a host name or an IP address, got {quote(name)}")
+    return name.lower()
 
 
 def _admin_token_reason(host: str) -> str:
@@ -171,12 +186,28 @@ def _control(sec: Section) -> ControlConfig:
     uids = tuple(read_integer(sec.ctx, p, v, 0, 2**32 - 2) for p, v in sec.items("allowed_uids"))
     upstreams = tuple(_upstream(sec.ctx, p, v) for p, v in sec.items("allowed_upstreams"))
     secret = secret_text(sec, "secret", header_safe=False)
+    if secret is not None and len(secret[1].encode()) > MAX_CONTROL_SECRET_BYTES:
+        reason = f"the secret must be at most {MAX_CONTROL_SECRET_BYTES} bytes"
+        raise sec.fail(secret[0], reason + ": a hello carrying it must fit the 64 KiB line bound")
     if mismatch := _control_problem(socket, secret is not None, uids):
         key, reason = mismatch
         raise sec.fail(secret[0] if key == "secret" and secret else key, reason)
     lease = sec.seconds("lease_timeout_s", d.lease_timeout_s)
     grace = sec.seconds("reconnect_grace_s", d.reconnect_grace_s)
-    return ControlConfig(socket, uids, upstreams, secret and secret[1], lease, grace)
+    # At most 2,000,000: the most claims one sync reply is sized to count.
+    claims = sec.integer("max_claims_per_worker", d.max_claims_per_worker, 1, 2_000_000)
+    waiting = sec.integer("max_connections_before_hello", d.max_connections_before_hello)
+    dirs = tuple(_folder(sec.ctx, p, v) for p, v in sec.items("worker_socket_dirs"))
+    return ControlConfig(
+        socket, uids, upstreams, secret and secret[1], lease, grace, claims, waiting, dirs
+    )
+
+
+def _folder(ctx: Context, key_path: str, value: object) -> str:
+    folder = read_text(ctx, key_path, value)
+    if not folder.startswith("/") or "\0" in folder:
+        raise ctx.fail(key_path, f"expected an absolute folder path, got {quote(folder)}")
+    return folder
 
 
 def _control_problem(

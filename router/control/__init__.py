@@ -8,10 +8,12 @@ from router.control.server import ControlServer
 from router.control.session import (
     ControlPolicy,
     ControlSession,
+    valid_worker_id,
 )
 
 __all__ = [
     "ControlPolicy",
     "ControlServer",
     "ControlSession",
+    "valid_worker_id",
 ]

@@ -27,7 +27,14 @@ from router.control.session import ControlPolicy, ControlSession, Peer
 from router.core import RouterCore
 from router.protocol import MAX_LINE_BYTES, decode_line, encode_line, error_reply
 
-__all__ = ["CLOSE_DRAIN_S", "WRITE_BUFFER_HIGH", "AcceptingServer", "ControlConnection", "peer_of"]
+__all__ = [
+    "CLOSE_DRAIN_S",
+    "HELLO_LINE_BYTES",
+    "WRITE_BUFFER_HIGH",
+    "AcceptingServer",
+    "ControlConnection",
+    "peer_of",
+]
 
 log = logging.getLogger("episode_router.control")
 
@@ -36,6 +43,11 @@ WRITE_BUFFER_HIGH = 1 << 20
 # A connection the router drops gets this long to send its last replies, then it is
 # aborted: a close waits for them for ever when the peer does not read.
 CLOSE_DRAIN_S = 1.0
+# The longest line a connection may send before its hello is accepted (design §3): a
+# hello with the longest control secret the config takes (8 KiB, even if JSON escapes
+# every byte of it) fits, and a peer that has proved nothing holds a sixteenth of what
+# a worker may.
+HELLO_LINE_BYTES = 64 << 10
 
 
 def peer_of(transport: asyncio.BaseTransport) -> Peer:
@@ -59,6 +71,9 @@ class AcceptingServer(Protocol):
     def policy(self) -> ControlPolicy: ...
     @property
     def hello_deadline_s(self) -> float: ...
+    @property
+    def waiting_for_hello(self) -> set[ControlConnection]: ...
+    def too_many_waiting_for_hello(self) -> bool: ...
     def clock(self) -> float: ...
     def connection_opened(self, connection: ControlConnection) -> None: ...
     def connection_closed(self, connection: ControlConnection) -> None: ...
@@ -79,6 +94,9 @@ class ControlConnection(asyncio.Protocol):
         self._hello_timer: asyncio.TimerHandle | None = None
         self._abort_timer: asyncio.TimerHandle | None = None
         self._writing_paused = False  # between pause_writing and resume_writing
+        # The longest line this connection may send now: HELLO_LINE_BYTES until a hello
+        # is accepted (and again after a bye), MAX_LINE_BYTES while it holds a lease.
+        self._line_limit = HELLO_LINE_BYTES
         self.closed = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -89,8 +107,13 @@ class ControlConnection(asyncio.Protocol):
         # While more than WRITE_BUFFER_HIGH of replies is unsent, pause_writing stops
         # reading this peer (design §3 backpressure).
         self.transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
-        self._arm_hello_deadline()
         server.connection_opened(self)
+        if server.too_many_waiting_for_hello():
+            # Each one may hold a partial line of HELLO_LINE_BYTES for the hello deadline.
+            detail = "Too many control connections have not said hello; try again."
+            self._write_and_close(encode_line(error_reply(None, "too_many_connections", detail)))
+            return
+        self._arm_hello_deadline()
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data
@@ -106,7 +129,7 @@ class ControlConnection(asyncio.Protocol):
         while not self._writing_paused and not transport.is_closing():
             end = buffer.rfind(b"\n")
             if end < 0:
-                if len(buffer) >= MAX_LINE_BYTES:
+                if len(buffer) >= self._line_limit:
                     self._refuse_long_line()
                 return
             lines = bytes(buffer[: end + 1]).split(b"\n")
@@ -130,7 +153,7 @@ class ControlConnection(asyncio.Protocol):
                 del buffer[: sum(len(line) + 1 for line in lines[:used])]
             if replies:
                 transport.write(b"".join(replies))  # may call pause_writing at once
-            if used == len(lines) and len(buffer) >= MAX_LINE_BYTES:
+            if used == len(lines) and len(buffer) >= self._line_limit:
                 self._refuse_long_line()
                 return
             # Lines left: loop, unless that write paused writing (then resume_writing
@@ -150,11 +173,12 @@ class ControlConnection(asyncio.Protocol):
         now = server.clock()
         fast = session.answer_claim_or_release
         count_op = server.count_op
+        limit = self._line_limit  # read again only after the general path (a hello, a bye)
         replies: list[bytes] = []
         size = 0
         for used, line in enumerate(lines, 1):
-            if len(line) >= MAX_LINE_BYTES:  # the newline makes it one over
-                replies.append(encode_line(error_reply(None, "bad_request", "Line over 1 MiB.")))
+            if len(line) >= limit:  # the newline makes it one over
+                replies.append(encode_line(self._long_line_reply()))
                 return replies, used, True
             answered = fast(line, now)
             if answered is not None:
@@ -162,6 +186,7 @@ class ControlConnection(asyncio.Protocol):
                 count_op(op, result)
             elif line.strip():
                 reply = encode_line(self._answer(line, now))
+                limit = self._line_limit
             else:
                 continue
             replies.append(reply)
@@ -192,6 +217,7 @@ class ControlConnection(asyncio.Protocol):
             transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._server.waiting_for_hello.discard(self)
         if self._hello_timer is not None:
             self._hello_timer.cancel()
         if self._abort_timer is not None:
@@ -226,6 +252,8 @@ class ControlConnection(asyncio.Protocol):
         if session.worker is not None and self._hello_timer is not None:
             self._hello_timer.cancel()
             self._hello_timer = None
+            self._line_limit = MAX_LINE_BYTES
+            server.waiting_for_hello.discard(self)
         elif session.worker is None and self._hello_timer is None:
             # A `bye` left the connection with no lease: like a new one, it must say
             # hello again in time, or it is closed (a peer that said bye and went
@@ -236,10 +264,17 @@ class ControlConnection(asyncio.Protocol):
     def _arm_hello_deadline(self) -> None:
         loop = asyncio.get_running_loop()
         self._hello_timer = loop.call_later(self._server.hello_deadline_s, self._hello_overdue)
+        self._line_limit = HELLO_LINE_BYTES
+        self._server.waiting_for_hello.add(self)
+
+    def _long_line_reply(self) -> dict[str, object]:
+        if self._line_limit == MAX_LINE_BYTES:
+            return error_reply(None, "bad_request", "Line over 1 MiB.")
+        return error_reply(None, "bad_request", "Line over 64 KiB before a hello.")
 
     def _refuse_long_line(self) -> None:
         self._buffer.clear()
-        self._write_and_close(encode_line(error_reply(None, "bad_request", "Line over 1 MiB.")))
+        self._write_and_close(encode_line(self._long_line_reply()))
 
     def _write_and_close(self, data: bytes) -> None:
         if self.transport is not None:

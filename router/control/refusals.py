@@ -28,7 +28,9 @@ __all__ = [
     "refused_sync_entry",
 ]
 
-SYNC_MAX_PENDING = 2_000_000  # bound on claims one sync may span, across its messages
+# The most claims one sync may span, across its messages: the upper bound of
+# control.max_claims_per_worker, which bounds a sync (the reply's envelope is sized for it).
+SYNC_MAX_PENDING = 2_000_000
 
 _REFUSAL_DETAIL = {
     "conflict": "Another worker holds this key (`holder`; it may be lost and in its grace period).",

@@ -32,6 +32,8 @@ CLOSE_WAIT_S = 1.0  # at shutdown, how long connections get to end after their t
 # A connection must say hello this soon, or it is closed: a peer that never does
 # would hold a descriptor for ever. Workers say hello as their first line.
 HELLO_DEADLINE_S = 10.0
+# How often the refusal of a connection over that bound is logged at most.
+REFUSAL_LOG_INTERVAL_S = 10.0
 
 
 class ControlSocketInUse(OSError):
@@ -98,6 +100,10 @@ class ControlServer:
         self._on_lease_lost = on_lease_lost
         self.clock = clock
         self.hello_deadline_s = hello_deadline_s
+        # The open connections that hold no lease and have a hello deadline running.
+        self.waiting_for_hello: set[ControlConnection] = set()
+        self._refused_unlogged = 0  # refused since the last log line
+        self._refusal_logged_at: float | None = None
         self._server: asyncio.Server | None = None
         self._sock: socket.socket | None = None
         self._unix_path: str | None = None
@@ -218,6 +224,25 @@ class ControlServer:
             other = connection.session
             if other is not None and other is not session and other.worker is worker:
                 connection.close()
+
+    def too_many_waiting_for_hello(self) -> bool:
+        """True (counted, and logged at most every REFUSAL_LOG_INTERVAL_S) when a new
+        connection must be refused: max_connections_before_hello already wait."""
+        if len(self.waiting_for_hello) < self.policy.max_connections_before_hello:
+            return False
+        self.count_op("hello", "too_many_connections")
+        self._refused_unlogged += 1
+        now = self.clock()
+        logged_at = self._refusal_logged_at
+        if logged_at is None or now - logged_at >= REFUSAL_LOG_INTERVAL_S:
+            log.warning(
+                "control connections refused: %d wait for their hello",
+                len(self.waiting_for_hello),
+                extra={"refused": self._refused_unlogged},
+            )
+            self._refusal_logged_at = now
+            self._refused_unlogged = 0
+        return True
 
     def count_op(self, op: str, result: str) -> None:
         """Count one answered request in the metrics."""

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.control.refusals import (
-    SYNC_MAX_PENDING,
     SyncRefusals,
     claim_refused,
     not_holder,
     refused_sync_entry,
 )
+from router.control.worker_urls import SocketLookup, look_up_socket, url_refusal
 from router.core import RouterCore, Worker, WorkerOrigin, WorkerState
 from router.protocol import (
     MAX_KEY_CHARS,
@@ -36,13 +36,18 @@ from router.protocol import (
     UpstreamAddress,
     encode_line,
     error_reply,
-    is_loopback_upstream,
     parse_upstream,
     same_upstream,
     valid_boot,
 )
 
 _WORKER_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+# A worker runs far fewer episodes at once; at about 700 B a claim this bounds what one
+# worker makes the router hold to about 70 MB (control.max_claims_per_worker).
+MAX_CLAIMS_PER_WORKER = 100_000
+# Twice the largest spawn (256), all reconnecting at once after a router restart; at
+# 64 KiB of partial line each, they hold at most 32 MiB (control.max_connections_before_hello).
+MAX_CONNECTIONS_BEFORE_HELLO = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,29 @@ class ControlPolicy:
     spawned_ids: frozenset[str] = frozenset()  # the ids of the workers `spawn:` starts
     # The ids of spawned workers that never say hello (`spawn.register: probe`).
     probed_ids: frozenset[str] = frozenset()
+    # Claims one worker may hold, and list in one sync (`control.max_claims_per_worker`).
+    max_claims_per_worker: int = MAX_CLAIMS_PER_WORKER
+    # Connections that may wait for their hello at once (the server refuses more).
+    max_connections_before_hello: int = MAX_CONNECTIONS_BEFORE_HELLO
+    # The router's own listeners (public, admin, control): never a worker's url.
+    own_listeners: tuple[UpstreamAddress, ...] = ()
+    # Folders whose unix sockets any worker may name (`control.worker_socket_dirs`).
+    worker_socket_dirs: tuple[str, ...] = ()
+    # Where a unix socket path leads and who owns it (the filesystem, but for tests).
+    socket_lookup: SocketLookup = look_up_socket
+
+    def worker_url_refusal(
+        self, address: UpstreamAddress, owners: frozenset[int] | None
+    ) -> str | None:
+        """Why a worker whose sockets `owners` may own must not be reached at `address`."""
+        return url_refusal(
+            address,
+            allowed_upstreams=self.allowed_upstreams,
+            own_listeners=self.own_listeners,
+            socket_dirs=self.worker_socket_dirs,
+            owners=owners,
+            look_up=self.socket_lookup,
+        )
 
 
 # -- the fast path for claim and release -------------------------------------------
@@ -90,6 +118,11 @@ _ID_FIRST = re.compile(
     _OP + rb'"id":' + _ID + rb',"key":' + _KEY + rb'(?:,"kind":' + _KIND + rb")?\}"
 )
 _ID_LAST = re.compile(_OP + rb'"key":' + _KEY + rb',"kind":' + _KIND + rb',"id":' + _ID + rb"\}")
+
+
+def valid_worker_id(worker_id: str) -> bool:
+    """True for a worker id a hello may say: 1-64 of [A-Za-z0-9._:-]."""
+    return _WORKER_ID.fullmatch(worker_id) is not None
 
 
 class ControlSession:
@@ -147,7 +180,10 @@ class ControlSession:
             return None
         worker.last_heard = now
         if op == b"claim":
-            refusal = self.core.claim(worker, kind, raw_key.decode(), now)
+            key = raw_key.decode()
+            if self._over_claim_cap(worker, kind, key):
+                return "claim", "too_many_claims", encode_line(self._too_many(json.loads(raw_id)))
+            refusal = self.core.claim(worker, kind, key, now)
             if refusal is None:
                 return "claim", "ok", b'{"id":' + raw_id + b',"ok":true}\n'
             return "claim", refusal.error, encode_line(claim_refused(json.loads(raw_id), refusal))
@@ -221,10 +257,9 @@ class ControlSession:
             policy.allowed_uids | {policy.own_uid}
         ):
             return "forbidden", "This uid may not register workers."
-        if not is_loopback_upstream(address) and not any(
-            parse_upstream(allowed) == address for allowed in policy.allowed_upstreams
-        ):
-            return "forbidden", "The url is not loopback and not in control.allowed_upstreams."
+        owners = None if self.peer.tcp or self.peer.uid is None else frozenset({self.peer.uid})
+        if (refused := policy.worker_url_refusal(address, owners)) is not None:
+            return "forbidden", refused
         # Every worker at this address, not just the first: a lost one may share it with a
         # live one. Compared as addresses, not text: `localhost` and 127.0.0.1, or a port
         # written with a leading zero, must not let a worker take another's traffic.
@@ -275,6 +310,8 @@ class ControlSession:
         if isinstance(parsed, dict):
             return parsed
         assert self.worker is not None
+        if self._over_claim_cap(self.worker, *parsed):
+            return self._too_many(request.get("id"))
         refusal = self.core.claim(self.worker, *parsed, now)
         if refusal is None:
             return {"id": request.get("id"), "ok": True}
@@ -306,9 +343,11 @@ class ControlSession:
                 refusals.omitted += 1
             else:
                 refusals.add(refused_sync_entry(entry, parsed))
-        if len(pending) > SYNC_MAX_PENDING:
+        if len(pending) > self.policy.max_claims_per_worker:
+            # Refused whole, the keys it held so far dropped: applying part of a set
+            # would end claims the worker still means to hold.
             self._sync_pending = None
-            return error_reply(rid, "bad_request", "The sync lists too many claims.")
+            return self._too_many(rid)
         if more:
             self._sync_pending = pending
             return refusals.reply(rid, 0, more=True)
@@ -321,6 +360,23 @@ class ControlSession:
                 break
             refusals.add({"kind": kind, "key": key, "error": why.error})
         return refusals.reply(rid, result.accepted, more=False)
+
+    def _over_claim_cap(self, worker: Worker, kind: str, key: str) -> bool:
+        """True when claiming `key` would make `worker` hold more than its cap: a key it
+        holds already, or one the core would refuse anyway, is answered as usual."""
+        claims = self.core.claims
+        if claims.held_count(worker.id) < self.policy.max_claims_per_worker:
+            return False
+        return claims.lookup(kind, key) is None
+
+    def _too_many(self, request_id: object) -> Reply:
+        limit = self.policy.max_claims_per_worker
+        return error_reply(
+            request_id,
+            "too_many_claims",
+            f"This worker may hold at most {limit} claims (control.max_claims_per_worker).",
+            limit=limit,
+        )
 
     # -- the rest --------------------------------------------------------------
 

@@ -48,6 +48,7 @@ INVALID_OP: Final = "invalid"
 CONTROL_RESULTS: tuple[str, ...] = (
     *("ok", "bad_request", "unknown_op", "no_hello", "unsupported_version", "forbidden"),
     *("worker_busy", "conflict", "ended", "worker_exited", "unknown_kind", "not_holder"),
+    *("too_many_claims", "too_many_connections"),
 )
 UPSTREAM_FAILURE_KINDS: Final = ("refused", "error", "timeout")
 WORKER_STATES: Final = tuple(state.value for state in WorkerState)

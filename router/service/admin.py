@@ -1,7 +1,14 @@
 """The admin listener (design §6): health, readiness, and read-only views of the state.
 
 Separate from the public port and on loopback by default. Boot ids are never
-shown. Reads the core; changes nothing but a worker's drain flag.
+shown. Reads the core; changes nothing but a worker's drain flag (and reloads).
+
+A browser on the host must not be a way in: a request whose `Host` is not the
+listener's own address (or `localhost` on a loopback or wildcard bind, or a name in
+`admin.allowed_hosts`) is 421 `misdirected_host`, which defeats DNS rebinding; a
+state-changing request from another origin (`Origin` not the request's own,
+`Sec-Fetch-Site` other than same-origin or none) is 403 `cross_origin`, which
+defeats a page that posts a form. `host_allowed` and `cross_origin` are pure.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from aiohttp import web
 from router.config import Config, ConfigError
 from router.core import RouterCore, Worker, WorkerState
 from router.metrics import RouterMetrics
-from router.protocol import is_loopback_host
+from router.protocol import is_ip, is_loopback_host, split_host_port
 from router.service.reload import ReloadPlan
 
 
@@ -30,15 +37,20 @@ class AdminBackend(Protocol):
     @property
     def metrics(self) -> RouterMetrics: ...
     def worker_pid(self, worker_id: str) -> int | None: ...
-    def reload_from_file(self) -> ReloadPlan: ...
+    async def reload_from_file(self) -> ReloadPlan: ...
 
 
 _SERVICE: web.AppKey[AdminBackend] = web.AppKey("service")
 _OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+_STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+_WILDCARDS = frozenset({"0.0.0.0", "::"})
+# What a browser says of a request its user (or no page) started: anything else came
+# from a page of another origin (`same-site` too: another port of localhost is one).
+_OWN_FETCH_SITES = frozenset({"same-origin", "none"})
 
 
 def admin_application(service: AdminBackend) -> web.Application:
-    app = web.Application(middlewares=[_require_token])
+    app = web.Application(middlewares=[_refuse_browser_tricks, _require_token])
     app[_SERVICE] = service
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
@@ -49,6 +61,70 @@ def admin_application(service: AdminBackend) -> web.Application:
     app.router.add_post("/admin/workers/{id}/drain", _drain)
     app.router.add_delete("/admin/workers/{id}/drain", _undrain)
     return app
+
+
+def host_of(authority: str) -> str | None:
+    """The host of a `Host` header or an origin's authority (`host[:port]`, `[v6][:port]`),
+    lower-cased and unbracketed; None when it is not one."""
+    text = authority.strip().lower()
+    parsed = split_host_port(text)
+    if parsed is not None:
+        return parsed[0]
+    if text.startswith("[") and text.endswith("]") and is_ip(text[1:-1]):
+        return text[1:-1]
+    return text if text and ":" not in text and split_host_port(f"{text}:1") else None
+
+
+def host_allowed(host_header: str | None, bind_host: str, allowed_hosts: frozenset[str]) -> bool:
+    """True when a request with `Host: host_header` may be answered by an admin listener
+    bound to `bind_host`. The port is not compared: a port mapping (a container's)
+    changes it, and a rebinding page can only choose the name."""
+    if host_header is None:
+        return True  # no browser sends a request without one
+    host = host_of(host_header)
+    if host is None:
+        return False
+    bind = bind_host.lower().strip("[]")
+    if host in allowed_hosts or host == bind:
+        return True
+    if host == "localhost":
+        return bind in _WILDCARDS or is_loopback_host(bind)
+    # An address is not a name a page could rebind: a wildcard bind is every address of
+    # the host, and a loopback one (`localhost` included) every loopback address.
+    if not is_ip(host):
+        return False
+    return bind in _WILDCARDS or (is_loopback_host(bind) and is_loopback_host(host))
+
+
+def cross_origin(method: str, host_header: str | None, headers: dict[str, str]) -> bool:
+    """True for a state-changing request a page of another origin sent."""
+    if method not in _STATE_CHANGING:
+        return False
+    site = headers.get("sec-fetch-site")
+    if site is not None and site.lower() not in _OWN_FETCH_SITES:
+        return True
+    origin = headers.get("origin")
+    if origin is None:
+        return False  # not a browser's cross-origin request (it always sends one)
+    scheme, sep, authority = origin.partition("://")
+    own = host_header.strip().lower() if host_header is not None else None
+    return not sep or scheme.lower() != "http" or authority.lower() != own
+
+
+@web.middleware
+async def _refuse_browser_tricks(request: web.Request, handler: Any) -> web.StreamResponse:
+    """421 for a Host that is not this listener's, 403 for a cross-origin change."""
+    admin = request.app[_SERVICE].config.admin
+    host_header = request.headers.get("Host")
+    if not host_allowed(host_header, admin.host, frozenset(admin.allowed_hosts)):
+        detail = "This Host is not the admin listener's address (admin.allowed_hosts)."
+        return web.json_response({"error": "misdirected_host", "detail": detail}, status=421)
+    fetch = {k: request.headers[k] for k in ("origin", "sec-fetch-site") if k in request.headers}
+    if cross_origin(request.method, host_header, fetch):
+        detail = "A change from a page of another origin is refused."
+        return web.json_response({"error": "cross_origin", "detail": detail}, status=403)
+    response: web.StreamResponse = await handler(request)
+    return response
 
 
 @web.middleware
@@ -149,7 +225,7 @@ async def _reload(request: web.Request) -> web.Response:
     """Reload the config file; a bad one is refused with its reason, the old one stays."""
     service = request.app[_SERVICE]
     try:
-        plan = service.reload_from_file()
+        plan = await service.reload_from_file()
     except LookupError as exc:
         return web.json_response({"error": "no_config_file", "detail": str(exc)}, status=409)
     except (ConfigError, ValueError) as exc:

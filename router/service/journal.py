@@ -22,12 +22,15 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
+from router.control import valid_worker_id
 from router.core import Claim, ClaimState, RouterCore, Worker, WorkerOrigin, WorkerState
-from router.protocol import parse_upstream
+from router.protocol import parse_upstream, valid_boot
 
 log = logging.getLogger("episode_router.journal")
 
@@ -290,19 +293,52 @@ def _tombstone_record(claim: Claim, made_at_wall: float) -> dict[str, Any]:
     }
 
 
-def replay(core: RouterCore, lines: Iterable[bytes], mono_now: float, wall_now: float) -> int:
-    """Apply journal lines to a fresh core. Returns how many were unusable.
+# Why a restored worker's url must not be used (None when it may): the control
+# policy's rule for a hello's url, given the uids a hello could come from.
+UrlCheck = Callable[[str], str | None]
+# What a replay raises on a line it cannot use: a damaged file (a truncated last line,
+# bytes that are not UTF-8, nesting deeper than the parser goes, a number too large for
+# a float) or a record of the wrong shape. Anything else is a bug, and is raised.
+_UNUSABLE = (ValueError, TypeError, KeyError, AttributeError, RecursionError, OverflowError)
 
-    Journaled workers come back as `lost`, awaited by the recovery window: a
-    same-boot hello restores them with their claims, a new boot retires them.
+
+@dataclass(frozen=True, slots=True)
+class SkippedLine:
+    """A journal line a replay did not apply: its number (from 1) and why."""
+
+    number: int
+    reason: str
+
+
+def replay(
+    core: RouterCore,
+    lines: Iterable[bytes],
+    mono_now: float,
+    wall_now: float,
+    *,
+    url_refusal: UrlCheck | None = None,
+) -> list[SkippedLine]:
+    """Apply journal lines to a fresh core. Returns the lines it skipped.
+
+    A line that does not decode, or holds a record of the wrong shape, is skipped and
+    the rest replay: a damaged journal never stops a start. A worker whose url
+    `url_refusal` refuses (the hello policy) is not restored, and neither are the
+    claims that name it. Journaled workers come back as `lost`, awaited by the
+    recovery window: a same-boot hello restores them with their claims, a new boot
+    retires them.
     """
-    bad = 0
-    for raw in lines:
+    skipped: list[SkippedLine] = []
+    dropped: set[str] = set()  # workers refused by the policy: their claims go too
+    for number, raw in enumerate(lines, 1):
         try:
             record = json.loads(raw)
-            _apply(core, record, mono_now - max(0.0, wall_now - float(record.get("t", wall_now))))
-        except (ValueError, TypeError, KeyError, AttributeError):
-            bad += 1
+            if not isinstance(record, dict):
+                raise TypeError(f"a record is an object, got {type(record).__name__}")
+            made = _number(record.get("t", wall_now))
+            at = mono_now - max(0.0, wall_now - made)
+            _apply(core, record, at, url_refusal, dropped)
+        except _UNUSABLE as exc:
+            skipped.append(SkippedLine(number, _reason(exc)))
     # A learned claim's uses are not journaled (a write per request): read back, its
     # last use is its learning, and one in use all along would end at the first tick.
     # Each gets a whole idle TTL from the restart instead.
@@ -311,45 +347,107 @@ def replay(core: RouterCore, lines: Iterable[bytes], mono_now: float, wall_now: 
         if worker.origin is WorkerOrigin.JOURNAL and worker.state is WorkerState.LIVE:
             core.lose(worker, mono_now)
             core.expect(worker.id)
-    return bad
+    return skipped
 
 
-def _apply(core: RouterCore, record: dict[str, Any], at: float) -> None:
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    if isinstance(exc, UnicodeDecodeError):
+        return "not UTF-8"
+    if isinstance(exc, KeyError):
+        return f"no {exc.args[0]!r} field" if exc.args else "a field is missing"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text[:120]}" if text else type(exc).__name__
+
+
+def _number(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"`t` must be a number, got {type(value).__name__}")
+    made = float(value)
+    if not math.isfinite(made):
+        raise ValueError("`t` is not finite")
+    return made
+
+
+def _text(record: dict[str, Any], field: str) -> str:
+    value = record[field]
+    if not isinstance(value, str):
+        raise TypeError(f"`{field}` must be a string, got {type(value).__name__}")
+    return value
+
+
+def _pairs(record: dict[str, Any]) -> list[tuple[str, str]]:
+    value = record["claims"]
+    if not isinstance(value, list) or not all(
+        isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)
+        for pair in value
+    ):
+        raise TypeError("`claims` must be a list of [kind, key] strings")
+    return [(kind, key) for kind, key in value]
+
+
+def _apply(
+    core: RouterCore,
+    record: dict[str, Any],
+    at: float,
+    url_refusal: UrlCheck | None,
+    dropped: set[str],
+) -> None:
     op = record["op"]
     claims = core.claims
     if op == "worker":
-        url = str(record["url"])
-        if isinstance(parse_upstream(url), str):  # as a hello's (an older router's journal)
-            raise ValueError(f"not an upstream url: {url!r}")
-        core.register(str(record["id"]), url, WorkerOrigin.JOURNAL, at, record["boot"])
+        _restore_worker(core, record, at, url_refusal, dropped)
     elif op == "drain":
-        worker = core.workers.get(str(record["id"]))
+        worker = core.workers.get(_text(record, "id"))
         if worker is not None:
             worker.draining = bool(record["on"])
             # Absent in journals written before it was recorded: an operator's drain, as then.
             worker.drained_by_worker = worker.draining and bool(record.get("by_worker", False))
-    elif op == "claim":
-        claims.claim(str(record["kind"]), str(record["key"]), str(record["worker"]), at)
-    elif op == "learn":
-        claims.claim(
-            str(record["kind"]), str(record["key"]), str(record["worker"]), at, learned=True
-        )
-    elif op == "release":
-        claims.release(str(record["kind"]), str(record["key"]), str(record["worker"]), at)
+    elif op in ("claim", "learn", "release", "tomb"):
+        kind, key, holder = _text(record, "kind"), _text(record, "key"), _text(record, "worker")
+        if holder in dropped:
+            return
+        if op == "release":
+            claims.release(kind, key, holder, at)
+        elif op == "tomb":
+            claims.restore_tombstone(kind, key, holder, ClaimState(record["state"]), at)
+        else:
+            claims.claim(kind, key, holder, at, learned=op == "learn")
     elif op == "link":
-        core.link_learned([(str(kind), str(key)) for kind, key in record["claims"]])
+        core.link_learned(_pairs(record))
     elif op == "sync":
-        pairs = [(str(kind), str(key)) for kind, key in record["claims"]]
-        claims.sync(str(record["worker"]), pairs, at)
+        holder = _text(record, "worker")
+        if holder not in dropped:
+            claims.sync(holder, _pairs(record), at)
     elif op == "exited":
-        worker = core.workers.get(str(record["worker"]))
+        holder = _text(record, "worker")
+        worker = core.workers.get(holder)
         if worker is not None:
             worker.state = WorkerState.EXITED
-        claims.worker_exited(str(record["worker"]), at)
-    elif op == "tomb":
-        state = ClaimState(record["state"])
-        claims.restore_tombstone(
-            str(record["kind"]), str(record["key"]), str(record["worker"]), state, at
-        )
+        claims.worker_exited(holder, at)
     elif op != "version":
-        raise ValueError(f"unknown journal op {op!r}")
+        raise ValueError(f"unknown journal op {str(op)[:40]!r}")
+
+
+def _restore_worker(
+    core: RouterCore,
+    record: dict[str, Any],
+    at: float,
+    url_refusal: UrlCheck | None,
+    dropped: set[str],
+) -> None:
+    worker_id, url, boot = _text(record, "id"), _text(record, "url"), record["boot"]
+    if not valid_worker_id(worker_id):
+        raise ValueError(f"not a worker id: {worker_id[:70]!r}")
+    if boot is not None and not (isinstance(boot, str) and valid_boot(boot)):
+        raise ValueError("not a boot")
+    if isinstance(parse_upstream(url), str):  # as a hello's (an older router's journal)
+        raise ValueError(f"not an upstream url: {url[:70]!r}")
+    refused = url_refusal(url) if url_refusal is not None else None
+    if refused is not None:
+        # Its claims with it: they would be forwarded to where the policy says no.
+        dropped.add(worker_id)
+        raise ValueError(f"worker {worker_id} not restored: {refused}")
+    dropped.discard(worker_id)
+    core.register(worker_id, url, WorkerOrigin.JOURNAL, at, boot)

@@ -76,9 +76,20 @@ def _already_stopping(signum: signal.Signals) -> None:
     log.warning("signal ignored: the router is already stopping", extra={"signal": signum.name})
 
 
+# The reloads SIGHUP started, referenced until they end (a bare task may be collected).
+_RELOADS: set[asyncio.Task[None]] = set()
+
+
 def _reload_on_signal(service: RouterService) -> None:
-    """SIGHUP: reload; a bad config is refused with its reason and the old one stays."""
+    """SIGHUP: reload in a task of its own (the file is read off the event loop)."""
+    task = asyncio.get_running_loop().create_task(_reload(service), name="reload-on-sighup")
+    _RELOADS.add(task)
+    task.add_done_callback(_RELOADS.discard)
+
+
+async def _reload(service: RouterService) -> None:
+    """A bad config is refused with its reason and the old one stays."""
     try:
-        service.reload_from_file()
+        await service.reload_from_file()
     except (ConfigError, ValueError, LookupError) as exc:
         log.error("config reload refused; the running config stays", extra={"reason": str(exc)})

@@ -31,10 +31,11 @@ from router.control import ControlServer, ControlSession
 from router.core import RouterCore, Worker, WorkerOrigin, WorkerState
 from router.edge import EdgeServer
 from router.metrics import RouterMetrics
+from router.protocol import UpstreamAddress, parse_upstream
 from router.relay import Forwarder, end_to_end_headers
 from router.service.admin import admin_application
 from router.service.health import HealthProber
-from router.service.journal import JournalFile, replay
+from router.service.journal import JournalFile, SkippedLine, replay
 from router.service.listeners import bound_port, serve_admin, serve_public
 from router.service.logs import setup_logging
 from router.service.reload import ReloadPlan, effective_config, plan_reload
@@ -105,6 +106,7 @@ class RouterService:
         self._edge: EdgeServer | None = None
         self._admin: web.BaseRunner | None = None
         self._tasks: set[asyncio.Task[object]] = set()
+        self._reload_lock = asyncio.Lock()
         self.public_port = 0
         self.admin_port = 0
 
@@ -177,6 +179,8 @@ class RouterService:
             shutdown_grace_s=config.timeouts.shutdown_grace_s,
         )
         self.admin_port = bound_port(self._admin)
+        # The ports the kernel picked (a port 0) are the router's own too from now on.
+        self.control.set_policy(control_policy(config, self.boot, self._bound_listeners()))
         self._spawn_task(self._tick_forever(), "tick")
         log.info(
             "router started",
@@ -195,9 +199,10 @@ class RouterService:
         journal.lock()  # before it is read: another router's journal is not this one's
         try:
             lines = journal.read()
-            bad = replay(self.core, lines, self._clock(), time.time())
-            if bad:
-                log.warning("journal lines skipped", extra={"path": path, "bad_lines": bad})
+            skipped = replay(
+                self.core, lines, self._clock(), time.time(), url_refusal=self._journaled_url
+            )
+            _log_skipped(path, skipped)
             journal.compact(self.core, self._clock())
         except BaseException:
             journal.close()  # and its lock
@@ -214,6 +219,16 @@ class RouterService:
                 "tombstones": self.core.claims.tombstone_count,
             },
         )
+
+    def _journaled_url(self, url: str) -> str | None:
+        """Why a journaled worker must not be restored at `url`: the hello policy, a
+        unix socket owned by any uid that may say hello."""
+        address = parse_upstream(url)
+        if isinstance(address, str):
+            return address
+        policy = self.control.policy
+        owners = policy.allowed_uids | {policy.own_uid}
+        return policy.worker_url_refusal(address, owners)
 
     def _maybe_compact_journal(self) -> None:
         journal = self.journal
@@ -346,6 +361,21 @@ class RouterService:
             pid = self._lease_pid(worker_id)  # adopted: no process object of ours
         return pid
 
+    def _bound_listeners(self) -> list[UpstreamAddress]:
+        """The addresses the listeners are bound at (a config's port 0 included)."""
+        bound = [
+            UpstreamAddress("", host, port)
+            for host, port in (
+                (self.config.listen.host, self.public_port),
+                (self.config.admin.host, self.admin_port),
+            )
+            if port
+        ]
+        control = self.config.control.tcp_address
+        if control is not None and self.control.tcp_port:
+            bound.append(UpstreamAddress("", control[0], self.control.tcp_port))
+        return bound
+
     # -- reload ----------------------------------------------------------------
 
     def reload(self, new: Config) -> ReloadPlan:
@@ -370,7 +400,7 @@ class RouterService:
         self.handler.access_log = target.log.access
         self.forwarder.max_body_bytes = target.limits.max_body_bytes
         self.forwarder.end_to_end = end_to_end_headers(target.session_headers)
-        self.control.set_policy(control_policy(target, self.boot))
+        self.control.set_policy(control_policy(target, self.boot, self._bound_listeners()))
         self.forwarder.set_timeouts(forward_timeouts(target))
         self.forwarder.set_buffering(forward_buffering(target))
         self.forwarder.pool_size = target.limits.worker_connections  # pools opened from now on
@@ -389,12 +419,19 @@ class RouterService:
         )
         return plan
 
-    def reload_from_file(self) -> ReloadPlan:
+    async def reload_from_file(self) -> ReloadPlan:
         """Reload from the file the router was started with. Raises ConfigError
-        (bad file), ValueError (cannot apply) or LookupError (no file: a demo)."""
-        if self.config_path is None:
+        (bad file, or not a regular file), ValueError (cannot apply) or LookupError
+        (no file: a demo).
+
+        The file (and the secret files it names) is read in a thread: a slow disk
+        must not stall the event loop. One reload at a time, in the order asked."""
+        path = self.config_path
+        if path is None:
             raise LookupError("this router was not started from a config file")
-        return self.reload(load_config(self.config_path))
+        async with self._reload_lock:
+            new = await asyncio.to_thread(load_config, path)
+            return self.reload(new)
 
     async def check_worker(self, worker: Worker, generation: int | None = None) -> bool:
         """Probe `worker`'s address; retire it if nothing listens. True if it is gone.
@@ -418,3 +455,20 @@ class RouterService:
                 self.core.retire(worker, self._clock())
             return True
         return False
+
+
+# The skipped journal lines named one by one in the log; the rest are counted.
+_SKIPPED_LINES_LOGGED = 20
+
+
+def _log_skipped(path: str, skipped: list[SkippedLine]) -> None:
+    for line in skipped[:_SKIPPED_LINES_LOGGED]:
+        log.warning(
+            "journal line skipped",
+            extra={"path": path, "line": line.number, "reason": line.reason},
+        )
+    if len(skipped) > _SKIPPED_LINES_LOGGED:
+        log.warning(
+            "journal lines skipped",
+            extra={"path": path, "bad_lines": len(skipped)},
+        )

@@ -8,19 +8,24 @@ server), `control_policy` (the control socket) and `spawn_spec` (the spawner).
 `warn_of_a_short_lease` says at start what a config allows but the protocol
 advises against.
 
-Pure but for that one warning: nothing here opens a socket, starts a task or
+Pure but for that one warning and where `control.worker_socket_dirs` really are
+(their links resolved): nothing here opens a socket, starts a task or
 changes a part that is running; the caller hands the values on.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import posixpath
+from collections.abc import Iterable
 
 from router.config import Config, SpawnConfig
 from router.control import ControlPolicy
 from router.core import CoreSettings
 from router.edge import EdgeLimits
+from router.protocol import UpstreamAddress
 from router.relay import BufferLimits, ForwardTimeouts
 from router.service.spawner import SpawnSpec, plan_workers
 from router.sessions import SessionKind, kind_from_config
@@ -82,8 +87,11 @@ def edge_limits(config: Config) -> EdgeLimits:
     )
 
 
-def control_policy(config: Config, router_boot: str) -> ControlPolicy:
-    """Who may say hello on the control socket, for the router of boot `router_boot`."""
+def control_policy(
+    config: Config, router_boot: str, bound: Iterable[UpstreamAddress] = ()
+) -> ControlPolicy:
+    """Who may say hello on the control socket, for the router of boot `router_boot`
+    whose listeners are bound at `bound` (besides the config's own addresses)."""
     control = config.control
     return ControlPolicy(
         own_uid=os.getuid(),
@@ -93,7 +101,41 @@ def control_policy(config: Config, router_boot: str) -> ControlPolicy:
         router_boot=router_boot,
         spawned_ids=_spawned_ids(config, register="hello"),
         probed_ids=_spawned_ids(config, register="probe"),
+        max_claims_per_worker=control.max_claims_per_worker,
+        max_connections_before_hello=control.max_connections_before_hello,
+        own_listeners=own_listeners(config, bound),
+        # Where each folder really is: a socket is judged by where its path leads.
+        worker_socket_dirs=tuple(os.path.realpath(d) for d in control.worker_socket_dirs),
     )
+
+
+def own_listeners(
+    config: Config, bound: Iterable[UpstreamAddress] = ()
+) -> tuple[UpstreamAddress, ...]:
+    """The addresses the config binds (a port 0 is known only once bound: `bound`),
+    spelled as `parse_upstream` spells a worker url."""
+    listeners = [
+        *bound,
+        UpstreamAddress("", config.listen.host, config.listen.port),
+        UpstreamAddress("", config.admin.host, config.admin.port),
+    ]
+    tcp = config.control.tcp_address
+    if tcp is not None:
+        listeners.append(UpstreamAddress("", tcp[0], tcp[1]))
+    unix_path = config.control.unix_path
+    if unix_path is not None:
+        listeners.append(UpstreamAddress(posixpath.normpath(unix_path), "", 0))
+    return tuple(
+        UpstreamAddress(a.path, _spelled(a.host), a.port) for a in listeners if a.path or a.port
+    )
+
+
+def _spelled(host: str) -> str:
+    """A host as parse_upstream spells it (an IP compressed, a name lower-cased)."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host.lower()
 
 
 def _spawned_ids(config: Config, *, register: str) -> frozenset[str]:

@@ -51,6 +51,7 @@ from router.worker.boot import ASGISend as ASGISend
 from router.worker.connection import ControlConnection
 from router.worker.lines import (
     FINAL_HELLO_REFUSALS,
+    claims_within_limit,
     hello_message,
     parse_control_address,
     sync_messages,
@@ -383,9 +384,24 @@ class ControlClient:
         """Declare every claim this worker holds or is claiming; drop the ones refused."""
         claims = self._requests.claims_after_waiting_ops(frozenset(self._held))
         while True:
-            replies = await asyncio.gather(
-                *(self._send_internal(message) for message in sync_messages(claims))
-            )
+            try:
+                replies = await asyncio.gather(
+                    *(self._send_internal(message) for message in sync_messages(claims))
+                )
+            except ControlError as exc:
+                kept = claims_within_limit(claims, exc.reply)
+                if kept is None or kept == claims:
+                    raise
+                # More than the router lets one worker hold (a reload lowered
+                # control.max_claims_per_worker): the rest are not ours any more.
+                log.error(
+                    "sync refused: the router takes at most %d claims; %d dropped",
+                    len(kept),
+                    len(claims) - len(kept),
+                )
+                self._held &= kept
+                claims = kept
+                continue
             refused: set[Claim] = set()
             omitted = 0
             for reply in replies:

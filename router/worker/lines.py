@@ -26,6 +26,7 @@ from router.protocol import (
 __all__ = [
     "FINAL_HELLO_REFUSALS",
     "SYNC_BATCH_CLAIMS",
+    "claims_within_limit",
     "hello_message",
     "parse_control_address",
     "sync_messages",
@@ -103,3 +104,17 @@ def sync_messages(
         size += cost
     last = len(batches) - 1
     return [{"op": "sync", "claims": part, "more": i < last} for i, part in enumerate(batches)]
+
+
+def claims_within_limit(
+    claims: Iterable[tuple[str, str]], refusal: Mapping[str, object]
+) -> set[tuple[str, str]] | None:
+    """The claims a worker may declare again after a sync refused `too_many_claims`:
+    the first `limit` of `claims` in the order a sync lists them; None when `refusal`
+    is not that refusal or names no usable limit."""
+    limit = refusal.get("limit")
+    if refusal.get("error") != "too_many_claims" or not isinstance(limit, int):
+        return None
+    if isinstance(limit, bool) or limit < 0:
+        return None
+    return set(sorted(set(claims))[:limit])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 import pickle
 import time
 from collections.abc import Callable, Mapping
@@ -1576,3 +1577,75 @@ def test_path_prefixes_and_learn_places() -> None:
     )
     assert named.seed is not None and named.seed.learn == (LearnConfig(request=True),)
     assert named.seed.learns_from_request and not token.seed.learns_from_request
+
+
+# ---------------------------------------------------------------------------- control bounds
+
+
+def test_the_control_bounds_are_read_and_checked() -> None:
+    config = parse("control: {max_claims_per_worker: 5, max_connections_before_hello: 7}")
+    assert config.control.max_claims_per_worker == 5
+    assert config.control.max_connections_before_hello == 7
+    assert Config().control.max_claims_per_worker == 100_000
+    for key, value in [("max_claims_per_worker", 0), ("max_claims_per_worker", 2_000_001)]:
+        with pytest.raises(ConfigError) as info:
+            parse(f"control: {{{key}: {value}}}")
+        assert info.value.key_path == f"control.{key}"
+    with pytest.raises(ConfigError) as info:
+        parse("control: {max_connections_before_hello: 0}")
+    assert info.value.key_path == "control.max_connections_before_hello"
+
+
+def test_a_control_secret_too_long_for_a_hello_line_is_refused() -> None:
+    tcp = "control: {socket: 'tcp://127.0.0.1:7000', secret_env: S}"
+    assert parse(tcp, {"S": "s" * 8192}).control.secret == "s" * 8192
+    with pytest.raises(ConfigError) as info:
+        parse(tcp, {"S": "s" * 8193})
+    assert info.value.key_path == "control.secret_env"
+    assert "at most 8192 bytes" in info.value.reason
+
+
+def test_worker_socket_dirs_are_absolute_folders() -> None:
+    config = parse("control: {worker_socket_dirs: [/run/workers, /srv/sockets/]}")
+    assert config.control.worker_socket_dirs == ("/run/workers", "/srv/sockets/")
+    with pytest.raises(ConfigError) as info:
+        parse("control: {worker_socket_dirs: [run/workers]}")
+    assert info.value.key_path == "control.worker_socket_dirs[0]"
+
+
+def test_a_static_worker_at_the_control_socket_is_refused() -> None:
+    text = """
+        control: {socket: 'unix:/run/r/control.sock'}
+        workers: [{id: s0, url: 'unix:/run/r/./control.sock'}]
+    """
+    with pytest.raises(ConfigError) as info:
+        parse(text)
+    assert (info.value.key_path, info.value.reason) == (
+        "workers[0].url",
+        "is the router's own control.socket",
+    )
+
+
+def test_a_config_path_that_is_not_a_regular_file_is_refused_without_blocking(
+    tmp_path: Path,
+) -> None:
+    fifo = tmp_path / "router.yaml"
+    os.mkfifo(fifo)  # no writer: a blocking open or read would wait for ever
+    cases = [(fifo, "a FIFO"), (tmp_path, "a directory"), (Path("/dev/null"), "a character device")]
+    for path, kind in cases:
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        assert (info.value.key_path, info.value.reason) == (
+            "(file)",
+            f"cannot read: not a regular file ({kind})",
+        )
+
+
+def test_a_secret_file_that_is_a_fifo_is_refused(tmp_path: Path) -> None:
+    fifo = tmp_path / "token.secret"
+    os.mkfifo(fifo)
+    config_file = tmp_path / "router.yaml"
+    config_file.write_text(verify(f"alg: HS256, secret_file: '{fifo}'"), encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(config_file)
+    assert "not a regular file (a FIFO)" in info.value.reason

@@ -18,7 +18,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -136,6 +136,9 @@ async def test_thousands_of_control_connections_without_hello_are_closed_while_p
 ) -> None:
     router = await rig.start_router()
     router.control.hello_deadline_s = HELLO_DEADLINE_S  # for the connections opened from now
+    # All of them wait at once here (the cap on those is tests/control/test_bounds.py's).
+    policy = router.control.policy
+    router.control.set_policy(replace(policy, max_connections_before_hello=CONNECTIONS))
     await rig.add_worker("w0")
 
     with PeakRss() as rss:

@@ -18,11 +18,13 @@ from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
 from router.control.session import ControlSession, Peer
+from router.control.worker_urls import SocketFacts, SocketLookup
 from router.core.machine import CoreSettings, RouterCore
 from router.core.workers import WorkerOrigin
 from router.protocol.control import MAX_KEY_CHARS, MAX_LINE_BYTES, decode_line, encode_line
 from tests.playbook import (
     CONFLICTS,
+    OWN_UID,
     Ans,
     At,
     Balance,
@@ -70,10 +72,17 @@ U0 = default_url("w0")
 EXITED_W0 = {W("w0"): "exited", C("ep1"): "exited w0", R("w0"): 1}
 
 
-def book(**policy_args: Any) -> Playbook:
-    """A core whose recovery is over, and a control policy."""
+def own_sockets(path: str) -> SocketFacts:
+    """A filesystem where every unix socket is the playbook's own uid's."""
+    return SocketFacts(path, OWN_UID)
+
+
+def book(*, socket_lookup: SocketLookup = own_sockets, **policy_args: Any) -> Playbook:
+    """A core whose recovery is over, and a control policy (unix sockets are the
+    peer's own unless `socket_lookup` says otherwise)."""
     settings = replace(SETTINGS, recovery_window_s=0.0)
-    playbook = Playbook(settings, control=policy(**policy_args), peers=PEERS)
+    control = replace(policy(**policy_args), socket_lookup=socket_lookup)
+    playbook = Playbook(settings, control=control, peers=PEERS)
     return playbook.run([(Tick(), Ticked(recovery_ended=True))])
 
 

@@ -22,6 +22,7 @@ from router.protocol.control import (
 )
 from router.worker.lines import (
     FINAL_HELLO_REFUSALS,
+    claims_within_limit,
     hello_message,
     sync_messages,
     sync_refusals,
@@ -90,3 +91,29 @@ def test_a_hello_of_another_version_is_refused_as_the_worker_expects() -> None:
     reply = decode_reply(encode_line(session.handle(decode_line(encode_line(hello)), 0.0)))
     assert reply is not None and reply["error"] == "unsupported_version"
     assert reply["error"] in FINAL_HELLO_REFUSALS  # the client gives up, as it must
+
+
+def test_a_sync_over_the_cap_is_refused_so_the_worker_can_keep_the_first_claims() -> None:
+    core = RouterCore(CoreSettings(kinds={"episode": False}, recovery_window_s=0.0), 0.0)
+    policy = ControlPolicy(
+        os.getuid(), frozenset(), frozenset(), None, "router-boot", max_claims_per_worker=3
+    )
+    session = ControlSession(core, policy, Peer(uid=os.getuid(), tcp=False))
+    hello = {"id": 1, **hello_message("w0", "http://127.0.0.1:9001", "b" * 16, None)}
+    assert session.handle(decode_line(encode_line(hello).rstrip(b"\n")), 0.0)["ok"] is True
+    claims = {("episode", f"ep{i}") for i in range(5)}
+
+    def sync(declared: set[tuple[str, str]]) -> dict[str, object]:
+        (message,) = sync_messages(declared)
+        line = encode_line({"id": 2, **message}).rstrip(b"\n")
+        reply = decode_reply(encode_line(session.handle(decode_line(line), 0.0)))
+        assert reply is not None
+        return reply
+
+    refused = sync(claims)
+    assert refused["error"] == "too_many_claims"
+    kept = claims_within_limit(claims, refused)
+    assert kept == {("episode", "ep0"), ("episode", "ep1"), ("episode", "ep2")}
+    assert sync(kept)["accepted"] == 3
+    assert claims_within_limit(claims, {"error": "conflict", "limit": 3}) is None
+    assert claims_within_limit(claims, {"error": "too_many_claims", "limit": True}) is None

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from router.config import AdminConfig, check_config
+from router.service.admin import cross_origin, host_allowed
 from tests.router_fixtures import RawHttp, Reply, Rig, open_rig, router_config, token, wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -224,7 +225,8 @@ async def _admin_off_loopback(rig: Rig) -> None:
     """The admin listener stays on loopback; only the host the middleware reads changes
     (no traffic ever goes to the documentation address 192.0.2.1)."""
     service = rig.router
-    admin = AdminConfig(host="192.0.2.1", port=service.admin_port, token=ADMIN_TOKEN)
+    # The tests reach it at 127.0.0.1, a Host the operator allows.
+    admin = AdminConfig("192.0.2.1", service.admin_port, ADMIN_TOKEN, ("127.0.0.1",))
     service.config = dataclasses.replace(service.config, admin=admin)
 
 
@@ -266,7 +268,9 @@ async def test_off_loopback_a_token_that_is_not_utf8_is_unauthorized(
     http = await RawHttp.open(rig.router.admin_port)
     try:
         http.send(
-            b"GET /admin/workers HTTP/1.1\r\nHost: x\r\nAuthorization: " + value + b"\r\n\r\n"
+            b"GET /admin/workers HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: "
+            + value
+            + b"\r\n\r\n"
         )
         status, _, body = await http.read_reply()
     finally:
@@ -303,3 +307,88 @@ async def test_metrics_are_served_in_the_prometheus_text_format(rig: Rig) -> Non
     assert reply.headers["Content-Type"].startswith("text/plain")
     assert b"# TYPE " in reply.body
     _no_boot(rig, reply)
+
+
+# --- a browser on the host is not a way in -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("host", "bind", "allowed"),
+    [
+        ("127.0.0.1:9901", "127.0.0.1", True),
+        ("127.0.0.1", "127.0.0.1", True),  # the port is not compared (a port mapping)
+        ("localhost:9901", "127.0.0.1", True),
+        ("LOCALHOST:9901", "::1", True),
+        ("[::1]:9901", "::1", True),
+        ("[::1]:9901", "localhost", True),
+        ("127.0.0.2:9901", "127.0.0.1", True),  # an address is never a rebinding name
+        ("10.1.2.3:9901", "0.0.0.0", True),
+        ("localhost:9901", "0.0.0.0", True),
+        ("router.internal:9901", "0.0.0.0", False),
+        ("evil.example:9901", "127.0.0.1", False),  # DNS rebinding: the attacker's name
+        ("10.1.2.3:9901", "127.0.0.1", False),
+        ("localhost:9901", "10.0.0.5", False),
+        ("admin.example:9901", "127.0.0.1", False),
+        ("", "127.0.0.1", False),
+        ("a b:1", "127.0.0.1", False),
+    ],
+)
+def test_which_host_an_admin_request_may_name(host: str, bind: str, allowed: bool) -> None:
+    assert host_allowed(host, bind, frozenset()) is allowed
+
+
+def test_a_configured_name_is_allowed_and_no_host_is_not_a_browser() -> None:
+    assert host_allowed("Admin.Example:9901", "127.0.0.1", frozenset({"admin.example"}))
+    assert host_allowed(None, "127.0.0.1", frozenset())
+
+
+@pytest.mark.parametrize(
+    ("method", "headers", "refused"),
+    [
+        ("POST", {}, False),  # curl, the CLI: no Origin, no Sec-Fetch-Site
+        ("POST", {"origin": "http://127.0.0.1:9901"}, False),
+        ("POST", {"origin": "HTTP://127.0.0.1:9901", "sec-fetch-site": "same-origin"}, False),
+        ("POST", {"sec-fetch-site": "none"}, False),  # typed in the address bar
+        ("POST", {"origin": "http://evil.example"}, True),
+        ("POST", {"origin": "http://localhost:3000"}, True),  # another port is another origin
+        ("DELETE", {"origin": "null"}, True),  # a sandboxed page
+        ("PUT", {"origin": "https://127.0.0.1:9901"}, True),
+        ("POST", {"sec-fetch-site": "cross-site"}, True),
+        ("POST", {"sec-fetch-site": "same-site"}, True),
+        ("GET", {"origin": "http://evil.example", "sec-fetch-site": "cross-site"}, False),
+    ],
+)
+def test_which_state_changing_requests_are_cross_origin(
+    method: str, headers: dict[str, str], refused: bool
+) -> None:
+    assert cross_origin(method, "127.0.0.1:9901", headers) is refused
+
+
+async def test_a_rebinding_page_cannot_read_the_admin_api(rig: Rig) -> None:
+    await rig.start_router()
+    await rig.add_worker("w0")
+    port = rig.router.admin_port
+    for path in ("/admin/workers", "/metrics", "/healthz"):
+        reply = await rig.admin("GET", path, {"Host": f"evil.example:{port}"})
+        assert reply.status == 421, path
+        assert reply.json()["error"] == "misdirected_host"
+        assert b"w0" not in reply.body
+    assert (await rig.admin("GET", "/admin/workers", {"Host": f"localhost:{port}"})).status == 200
+
+
+async def test_a_page_of_another_origin_cannot_drain_or_reload(rig: Rig) -> None:
+    await rig.start_router()
+    await rig.add_worker("w0")
+    page = {"Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"}
+    for method, path in [
+        ("POST", "/admin/workers/w0/drain"),
+        ("DELETE", "/admin/workers/w0/drain"),
+        ("POST", "/admin/reload"),
+    ]:
+        reply = await rig.admin(method, path, page)
+        assert reply.status == 403, (method, path)
+        assert reply.json()["error"] == "cross_origin"
+    assert (await rig.worker_views())["w0"]["draining"] is False
+    # The same request without a browser's headers (curl, the CLI) is taken.
+    assert (await rig.admin("POST", "/admin/workers/w0/drain")).status == 200
+    assert (await rig.worker_views())["w0"]["draining"] is True

@@ -45,7 +45,7 @@ def state(core: RouterCore) -> dict[str, object]:
 def restart(path: Path, mono_now: float = 0.0, wall_now: float = WALL0) -> RouterCore:
     core = RouterCore(SETTINGS, mono_now)
     lines = JournalFile(str(path), clock=Clock(wall_now)).read()
-    assert replay(core, lines, mono_now, wall_now) == 0
+    assert replay(core, lines, mono_now, wall_now) == []
     return core
 
 
@@ -130,7 +130,7 @@ def test_a_drain_journaled_without_who_asked_replays_as_an_operators() -> None:
         b'{"op":"drain","id":"w0","on":true,"t":1800000000.0}',
     ]
     core = RouterCore(SETTINGS, 0.0)
-    assert replay(core, lines, 0.0, WALL0) == 0
+    assert replay(core, lines, 0.0, WALL0) == []
 
     assert _drains(core) == {"w0": (True, False)}
     assert _new_boots(core)["w0"] is True  # as before the field existed
@@ -245,7 +245,7 @@ def test_a_torn_or_foreign_line_is_skipped_and_counted(tmp_path: Path) -> None:
     # A worker whose url no hello may give (a lone surrogate: no path to connect to).
     no_path = b'{"op":"worker","id":"w9","url":"unix:/tmp/w\\ud800.sock","boot":"b9"}'
     lines = [*path.read_bytes().splitlines(), b'{"op":"format-c:"}', b"[]", no_path]
-    assert replay(replayed, lines, 0.0, WALL0) == 4
+    assert len(replay(replayed, lines, 0.0, WALL0)) == 4
     assert state(replayed) == state(core)
 
 
@@ -348,15 +348,98 @@ def test_claims_one_seed_reply_taught_stay_one_session_after_a_restart(tmp_path:
     for compacted in (False, True):
         replayed = RouterCore(settings, 1.0)
         lines = JournalFile(str(path), clock=Clock(WALL0 + 1)).read()
-        assert replay(replayed, lines, 1.0, WALL0 + 1) == 0
+        assert replay(replayed, lines, 1.0, WALL0 + 1) == []
         again = replayed.register("w0", "http://127.0.0.1:9001", WorkerOrigin.CONTROL, 1.0, "b0")
         assert replayed.release_learned(again, "cookie", "s1", 2.0)  # a close with the cookie
         token = replayed.claims.lookup("token", "s1")
         assert token is not None and token.state is ClaimState.ENDED, compacted
         if not compacted:  # the same, from the snapshot a start writes
             fresh = RouterCore(settings, 0.0)
-            assert replay(fresh, lines, 0.0, WALL0) == 0
+            assert replay(fresh, lines, 0.0, WALL0) == []
             rewritten = JournalFile(str(path), clock=Clock(WALL0))
             rewritten.compact(fresh, 0.0)
             rewritten.close()
             assert b'"op":"link"' in path.read_bytes()
+
+
+# --- a damaged journal never stops a start ----------------------------------------------
+
+GOOD_LINES = [
+    b'{"op":"version","v":1,"t":1800000000.0}',
+    b'{"op":"worker","id":"w0","url":"http://127.0.0.1:9001","boot":"b0","t":1800000000.0}',
+    b'{"op":"claim","kind":"episode","key":"a","worker":"w0","t":1800000000.0}',
+]
+DAMAGED = [
+    (b"[" * 1000 + b"]" * 1000, "nested too deeply"),  # 2 KB that the parser recurses into
+    (b'{"op":"claim","kind":' + b"[" * 100_000, "nested too deeply"),
+    (b'{"op":"claim","kind":"episode","key":"\xff\xfe","worker":"w0"}', "not UTF-8"),
+    (b'{"op":"claim","kind":"episode","key":"tor', "JSONDecodeError"),  # a torn last line
+    (b'{"op":"claim","kind":1,"key":"b","worker":"w0"}', "`kind` must be a string"),
+    (b'{"op":"claim","kind":"episode","key":["b"],"worker":"w0"}', "`key` must be"),
+    (b'{"op":"claim","kind":"episode","key":"b","worker":"w0","t":1e400}', "not finite"),
+    (b'{"op":"claim","kind":"episode","key":"b","worker":"w0","t":"soon"}', "`t` must be"),
+    (b'{"op":"sync","worker":"w0","claims":[["episode"]]}', "`claims` must be"),
+    (b'{"op":"sync","worker":"w0","claims":{"a":1}}', "`claims` must be"),
+    (b'{"op":"link","claims":[[1,2]]}', "`claims` must be"),
+    (b'{"op":"tomb","kind":"episode","key":"c","worker":"w0","state":"zombie"}', "zombie"),
+    (b'{"op":"worker","id":{"x":1},"url":"http://127.0.0.1:1","boot":"b"}', "`id` must be"),
+    (b'{"op":"worker","id":"w 1","url":"http://127.0.0.1:1","boot":"b"}', "not a worker id"),
+    (b'{"op":"worker","id":"w1","url":"http://127.0.0.1:1","boot":["b"]}', "not a boot"),
+    (b'{"op":"drain","id":7,"on":true}', "`id` must be"),
+    (b'{"op":"claim","kind":"episode","key":"b"}', "no 'worker' field"),
+    (b'{"op":' + b"9" * 5000 + b"}", "ValueError"),  # past Python's digit limit
+    (b'{"op":{"x":1}}', "unknown journal op"),
+    (b'"just a string"', "a record is an object"),
+    (b"\x00\x01\x02", "JSONDecodeError"),
+]
+
+
+def test_every_damaged_line_is_skipped_by_number_and_reason_and_the_rest_replays() -> None:
+    lines = [*GOOD_LINES]
+    for damaged, _reason in DAMAGED:
+        lines.append(damaged)
+    lines.append(b'{"op":"claim","kind":"episode","key":"z","worker":"w0","t":1800000000.0}')
+    replayed = RouterCore(SETTINGS, 0.0)
+
+    skipped = replay(replayed, lines, 0.0, WALL0)
+
+    assert [line.number for line in skipped] == list(range(4, 4 + len(DAMAGED)))
+    for line, (damaged, reason) in zip(skipped, DAMAGED, strict=True):
+        assert reason in line.reason, (damaged[:60], line.reason)
+        assert len(line.reason) < 200
+    # Everything before and after the damage is there.
+    assert {c.key for c in replayed.claims.held_by("w0")} == {"a", "z"}
+    assert replayed.workers.get("w1") is None
+
+
+def test_a_journal_nested_a_thousand_deep_does_not_stop_a_start(tmp_path: Path) -> None:
+    """The attacker's file: the router used to exit at start with RecursionError."""
+    path = tmp_path / "journal"
+    path.write_bytes(b"\n".join([*GOOD_LINES, b"[" * 1000 + b"]" * 1000]) + b"\n")
+    replayed = RouterCore(SETTINGS, 0.0)
+    lines = JournalFile(str(path), clock=lambda: WALL0).read()
+    assert replay(replayed, lines, 0.0, WALL0)[0].number == 4
+    assert {c.key for c in replayed.claims.held_by("w0")} == {"a"}
+
+
+def test_a_journaled_worker_the_hello_policy_refuses_is_dropped_with_its_claims() -> None:
+    lines = [
+        *GOOD_LINES,
+        b'{"op":"worker","id":"evil","url":"http://127.0.0.1:8080","boot":"b1"}',
+        b'{"op":"claim","kind":"episode","key":"e1","worker":"evil"}',
+        b'{"op":"learn","kind":"episode","key":"e2","worker":"evil"}',
+        b'{"op":"sync","worker":"evil","claims":[["episode","e3"]]}',
+    ]
+    replayed = RouterCore(SETTINGS, 0.0)
+
+    def refusal(url: str) -> str | None:
+        return "The url is one of the router's own listeners." if url.endswith(":8080") else None
+
+    skipped = replay(replayed, lines, 0.0, WALL0, url_refusal=refusal)
+
+    assert [(s.number, s.reason) for s in skipped] == [
+        (4, "ValueError: worker evil not restored: The url is one of the router's own listeners.")
+    ]
+    assert replayed.workers.get("evil") is None
+    assert all(replayed.claims.lookup("episode", k) is None for k in ("e1", "e2", "e3"))
+    assert {c.key for c in replayed.claims.held_by("w0")} == {"a"}

@@ -9,6 +9,7 @@ import re
 import shlex
 import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -28,6 +29,7 @@ from router.config import (
 )
 from router.core.claims import ClaimState
 from router.core.workers import WorkerOrigin, WorkerState
+from router.service import router_service as router_service_module
 from router.service.reload import effective_config, plan_reload
 from tests.metrics.test_registry import scrape, series
 from tests.router_fixtures import (
@@ -249,7 +251,7 @@ async def test_a_broken_config_is_refused_and_the_old_one_keeps_serving(
     assert status == 400 and body["error"] == "invalid_config"
     assert "the running config stays" in body["detail"]
     with pytest.raises(ConfigError):
-        rig.router.reload_from_file()  # what SIGHUP calls
+        await rig.router.reload_from_file()  # what SIGHUP calls
     assert rig.router.config is before
     reply = await rig.request("GET", "/still", episode=token("ep"))
     assert reply.status == 200 and reply.worker == "w0"
@@ -284,10 +286,10 @@ async def test_static_workers_come_and_go_with_the_config(rig: Rig, tmp_path: Pa
     path = await start_from_file(rig, tmp_path)
     extra = "workers: [{id: s0, url: 'http://127.0.0.1:1'}]\nhealth: {interval_s: 0.05}"
     write_config(path, tmp_path, extra=extra)
-    rig.router.reload_from_file()
+    await rig.router.reload_from_file()
     assert rig.router.core.workers.get("s0") is not None
     write_config(path, tmp_path)
-    rig.router.reload_from_file()
+    await rig.router.reload_from_file()
     assert rig.router.core.workers.get("s0") is None  # retired and forgotten: never probed again
     assert _kinds(rig.router.config) == ["episode"]
 
@@ -423,13 +425,13 @@ async def test_a_claim_under_a_kind_a_reload_removed_can_still_be_released(
     chat_kind = "- {name: chat, header: X-Chat, token: {format: raw}}"
     episode_kind = "- {name: episode, header: X-NeMo-Gym-Episode-Token, token: {format: jws}}"
     write_config(path, tmp_path, extra=f"sessions:\n  {episode_kind}\n  {chat_kind}")
-    rig.router.reload_from_file()
+    await rig.router.reload_from_file()
     lease = await RawLease.open(rig.control_address)
     rig.stack.callback(lease.abort)
     assert (await lease.hello("w0", "http://127.0.0.1:1", "boot-1"))["ok"] is True
     assert (await lease.call("claim", key="c1", kind="chat"))["ok"] is True
     write_config(path, tmp_path)  # the chat kind is gone
-    rig.router.reload_from_file()
+    await rig.router.reload_from_file()
 
     assert (await lease.call("claim", key="c2", kind="chat"))["error"] == "unknown_kind"
     assert (await lease.call("release", key="c1", kind="chat"))["ok"] is True
@@ -487,3 +489,56 @@ async def test_a_spawned_worker_restarted_after_a_reload_gets_the_rotated_secret
     [(second, secret)] = [(pid, s) for pid, s in started().items() if pid != first]
     assert secret == "new-secret-9876543210"
     assert service.worker_pid("w0") == second
+
+
+async def test_a_reload_from_a_fifo_is_refused_and_the_router_goes_on_serving(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """The config used to be read on the event loop: a FIFO with no writer at the
+    config path stopped every listener until something wrote to it."""
+    path = await start_from_file(rig, tmp_path)
+    worker = await rig.add_worker("w0")
+    await worker.claim("ep-a0")
+    before = rig.router.config
+    path.unlink()
+    os.mkfifo(path)
+
+    reply = await asyncio.wait_for(rig.admin("POST", "/admin/reload"), 5)
+    status, body = reply.status, reply.json()
+    assert status == 400 and body["error"] == "invalid_config"
+    assert "not a regular file (a FIFO)" in body["detail"]
+    assert "the running config stays" in body["detail"]
+    with pytest.raises(ConfigError, match="a FIFO"):
+        await asyncio.wait_for(rig.router.reload_from_file(), 5)  # what SIGHUP calls
+    assert rig.router.config is before
+    reply = await rig.request("GET", "/still", episode=token("ep"))
+    assert reply.status == 200 and reply.worker == "w0"
+
+
+async def test_a_reload_reads_the_file_off_the_event_loop(
+    rig: Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow read (a network file system) must not stall the loop: while it reads,
+    the loop answers the public port."""
+    await start_from_file(rig, tmp_path)
+    worker = await rig.add_worker("w0")
+    await worker.claim("ep-a0")
+    before = rig.router.config
+    reading, release = threading.Event(), threading.Event()
+    real_load = router_service_module.load_config
+
+    def slow_load(config_path: str) -> Config:
+        reading.set()
+        release.wait(5)
+        return real_load(config_path)
+
+    monkeypatch.setattr(router_service_module, "load_config", slow_load)
+    reloading = asyncio.create_task(rig.router.reload_from_file(), name="reload")
+    try:
+        assert await asyncio.to_thread(reading.wait, 5)
+        reply = await asyncio.wait_for(rig.request("GET", "/during", episode=token("ep")), 5)
+        assert reply.status == 200 and not reloading.done()
+    finally:
+        release.set()
+    await asyncio.wait_for(reloading, 5)
+    assert rig.router.config is not before  # the file was read and applied

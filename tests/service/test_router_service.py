@@ -633,3 +633,53 @@ async def test_a_spawned_server_that_never_says_hello_is_probed_listed_and_retir
         assert (reply_line["ok"], reply_line["error"]) == (False, "worker_busy")
     finally:
         lease.abort()
+
+
+async def test_a_damaged_journal_does_not_stop_a_start_and_its_refused_workers_are_dropped(
+    rig: Rig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    journal = tmp_path / "journal"
+    with socket.socket() as probe:  # a port free now, for the admin listener to bind
+        probe.bind(("127.0.0.1", 0))
+        admin_port = probe.getsockname()[1]
+    config = router_config(
+        tmp_path, admin=AdminConfig("127.0.0.1", admin_port), state=StateConfig(path=str(journal))
+    )
+    admin_url = f"http://127.0.0.1:{config.admin.port}"
+    journal.write_bytes(
+        b"\n".join(
+            [
+                b'{"op":"worker","id":"w0","url":"http://127.0.0.1:9","boot":"b0"}',
+                b'{"op":"claim","kind":"episode","key":"ep-a0","worker":"w0"}',
+                b"[" * 1000 + b"]" * 1000,  # the router used to exit here (RecursionError)
+                b'{"op":"worker","id":"loop","url":"' + admin_url.encode() + b'","boot":"b1"}',
+                b'{"op":"claim","kind":"episode","key":"lp-a0","worker":"loop"}',
+                b'{"op":"claim","kind":"episode","key":"tor',
+            ]
+        )
+    )
+    with caplog.at_level(logging.WARNING, logger="episode_router"):
+        router = await rig.start_router(config)
+
+    assert router.core.workers.get("loop") is None
+    assert router.core.claims.lookup("episode", "lp-a0") is None
+    assert {c.key for c in router.core.claims.held_by("w0")} == {"ep-a0"}
+    named = [(getattr(r, "line", 0), getattr(r, "reason", "")) for r in caplog.records]
+    named = [(line, reason) for line, reason in named if line]
+    assert [line for line, _ in named] == [3, 4, 6]
+    assert "own listeners" in named[1][1] and named[0][1] == "nested too deeply"
+
+
+async def test_a_hello_naming_the_routers_own_ports_is_forbidden(rig: Rig) -> None:
+    """The loop: a worker url at the public port sent one request through about 256
+    router connections before a 504. Ports the kernel picked (port 0) count too."""
+    router = await rig.start_router()
+    lease = await RawLease.open(rig.control_address)
+    for port in (router.public_port, router.admin_port):
+        for host in ("127.0.0.1", "localhost"):
+            reply = await lease.hello("w0", f"http://{host}:{port}", "b0")
+            assert reply["error"] == "forbidden", reply
+            assert "own listeners" in reply["detail"]
+    socket_url = f"unix:{router.config.control.unix_path}"
+    assert (await lease.hello("w0", socket_url, "b0"))["error"] == "forbidden"
+    lease.abort()

@@ -186,3 +186,39 @@ async def test_claims_racing_a_retire_are_resent_after_the_new_hello(rig: Rig) -
         assert [r for r in results if r is not None] == []
         await _until(lambda: client.connected, "the client to be back")
     assert [result for _, result in answered if result != "ok"] == []
+
+
+async def test_a_claim_past_the_cap_is_refused_to_the_caller_and_not_held(rig: Rig) -> None:
+    config = router_config(rig.tmp_path)
+    control = dataclasses.replace(config.control, max_claims_per_worker=2)
+    service = await rig.start_router(dataclasses.replace(config, control=control))
+    client = await _started(rig, service.config.control.socket)
+    await client.claim("ep1-a0")
+    await client.claim("ep2-a0")
+    with pytest.raises(ControlError) as refused:
+        await client.claim("ep3-a0")
+    assert refused.value.error == "too_many_claims" and refused.value.reply["limit"] == 2
+    assert client.held == {("episode", "ep1-a0"), ("episode", "ep2-a0")}
+    assert service.core.claims.held_count("w0") == 2
+
+
+async def test_a_resync_over_a_lowered_cap_keeps_the_first_claims_and_drops_the_rest(
+    rig: Rig,
+) -> None:
+    config = router_config(rig.tmp_path)
+    service = await rig.start_router(config)
+    client = await _started(rig, service.config.control.socket)
+    for i in range(5):
+        await client.claim(f"ep{i}-a0")
+    lowered = dataclasses.replace(config.control, max_claims_per_worker=3)
+    service.reload(dataclasses.replace(config, control=lowered))
+    answered = _watch_replies(service)
+
+    _drop_lease(service)  # the client reconnects and syncs its five claims
+    await _until(lambda: bool(_hellos(answered)) and client.connected, "the client to be back")
+    kept = {("episode", f"ep{i}-a0") for i in range(3)}
+    await _until(lambda: client.held == kept, "the client to drop the claims past the cap")
+    assert ("sync", "too_many_claims") in answered
+    assert answered[-1] == ("sync", "ok")
+    assert service.core.claims.held_count("w0") == 3
+    assert {c.key for c in service.core.claims.held_by("w0")} == {k for _, k in kept}
