@@ -146,7 +146,9 @@ class Forwarder(LaneOwner):
                 and (not stream.complete or stream.received > WHOLE_BODY_MAX)
             ):
                 body = await self._gather_body(exchange)
-            first, whole = outgoing(exchange, extra_headers, body, self.max_body_bytes, self.end_to_end)
+            first, whole = outgoing(
+                exchange, extra_headers, body, self.max_body_bytes, self.end_to_end
+            )
             await self._send(exchange, first, whole)
             return await self._relay(exchange, public_base, observer)
         finally:
