@@ -1,7 +1,8 @@
 """The control socket's listening side: bind, serve, close, and the set of connections.
 
 Owns the listening socket (Unix, created under umask 0117 so it is mode 0660
-from the first instant, or loopback TCP), the set of open connections, and what
+from the first instant, or loopback TCP), the set of open connections and its
+bounds (how many may be open, how many may wait for their hello), and what
 the router hears of them: a lease lost when one closes, the metrics and log line
 of every answered request, the close of a connection whose lease a hello took
 over. It never decides anything about claims or leases (`router.control.session` and
