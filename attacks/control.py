@@ -240,7 +240,9 @@ async def _last_answer(lease: Lease) -> str:
 
 
 def start_router(launcher: Launcher, name: str, cap: int) -> Router:
-    control = {"max_claims_per_worker": cap, "lease_timeout_s": 60}
+    control: dict[str, object] = {"lease_timeout_s": 60}
+    if cap != CLAIM_CAP:  # at full scale, the router's own default
+        control["max_claims_per_worker"] = cap
     return launcher.router(name, control=control)
 
 

@@ -62,6 +62,9 @@ class ControlConfig:
     # Twice the largest spawn, all reconnecting at once; at 64 KiB of partial line
     # each, those that may wait hold at most 32 MiB.
     max_connections_before_hello: int = 512
+    # Sixteen times the largest spawn: each connection is a descriptor, each lease a
+    # worker with its claims.
+    max_connections: int = 4096
     # Only a worker's own sockets (by its uid) unless an operator names shared folders.
     worker_socket_dirs: tuple[str, ...] = ()
 

@@ -58,7 +58,8 @@ _ENV_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CONTROL_KEYS: Final = (
     *("socket", "allowed_uids", "allowed_upstreams", "secret_env", "secret_file"),
     *("lease_timeout_s", "reconnect_grace_s"),
-    *("max_claims_per_worker", "max_connections_before_hello", "worker_socket_dirs"),
+    *("max_claims_per_worker", "max_connections_before_hello", "max_connections"),
+    "worker_socket_dirs",
 )
 # A hello line, which carries it, is bounded to 64 KiB before the hello is accepted: this
 # fits even when JSON escapes every byte (six bytes each).
@@ -197,9 +198,10 @@ def _control(sec: Section) -> ControlConfig:
     # At most 2,000,000: the most claims one sync reply is sized to count.
     claims = sec.integer("max_claims_per_worker", d.max_claims_per_worker, 1, 2_000_000)
     waiting = sec.integer("max_connections_before_hello", d.max_connections_before_hello)
+    most = sec.integer("max_connections", d.max_connections)
     dirs = tuple(_folder(sec.ctx, p, v) for p, v in sec.items("worker_socket_dirs"))
     return ControlConfig(
-        socket, uids, upstreams, secret and secret[1], lease, grace, claims, waiting, dirs
+        socket, uids, upstreams, secret and secret[1], lease, grace, claims, waiting, most, dirs
     )
 
 

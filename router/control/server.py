@@ -1,7 +1,8 @@
 """The control socket's listening side: bind, serve, close, and the set of connections.
 
 Owns the listening socket (Unix, created under umask 0117 so it is mode 0660
-from the first instant, or loopback TCP), the set of open connections, and what
+from the first instant, or loopback TCP), the set of open connections and its
+bounds (how many may be open, how many may wait for their hello), and what
 the router hears of them: a lease lost when one closes, the metrics and log line
 of every answered request, the close of a connection whose lease a hello took
 over. It never decides anything about claims or leases (`router.control.session` and
@@ -225,24 +226,32 @@ class ControlServer:
             if other is not None and other is not session and other.worker is worker:
                 connection.close()
 
-    def too_many_waiting_for_hello(self) -> bool:
-        """True (counted, and logged at most every REFUSAL_LOG_INTERVAL_S) when a new
-        connection must be refused: max_connections_before_hello already wait."""
-        if len(self.waiting_for_hello) < self.policy.max_connections_before_hello:
-            return False
+    def refusal_of_a_new_connection(self) -> str | None:
+        """Why a connection just opened (and counted) must be closed at once, or None:
+        max_connections are open, or max_connections_before_hello already wait for
+        their hello. A refusal is counted, and logged at most every
+        REFUSAL_LOG_INTERVAL_S."""
+        policy = self.policy
+        if len(self.connections) > policy.max_connections:
+            detail = "Too many control connections are open (control.max_connections)."
+        elif len(self.waiting_for_hello) >= policy.max_connections_before_hello:
+            detail = "Too many control connections have not said hello; try again."
+        else:
+            return None
         self.count_op("hello", "too_many_connections")
         self._refused_unlogged += 1
         now = self.clock()
         logged_at = self._refusal_logged_at
         if logged_at is None or now - logged_at >= REFUSAL_LOG_INTERVAL_S:
             log.warning(
-                "control connections refused: %d wait for their hello",
+                "control connections refused: %d open, %d wait for their hello",
+                len(self.connections) - 1,
                 len(self.waiting_for_hello),
                 extra={"refused": self._refused_unlogged},
             )
             self._refusal_logged_at = now
             self._refused_unlogged = 0
-        return True
+        return detail
 
     def count_op(self, op: str, result: str) -> None:
         """Count one answered request in the metrics."""

@@ -48,6 +48,9 @@ MAX_CLAIMS_PER_WORKER = 100_000
 # Twice the largest spawn (256), all reconnecting at once after a router restart; at
 # 64 KiB of partial line each, they hold at most 32 MiB (control.max_connections_before_hello).
 MAX_CONNECTIONS_BEFORE_HELLO = 512
+# Sixteen times the largest spawn: each connection is a descriptor, and each lease a
+# worker that may hold max_claims_per_worker claims (control.max_connections).
+MAX_CONTROL_CONNECTIONS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,8 @@ class ControlPolicy:
     max_claims_per_worker: int = MAX_CLAIMS_PER_WORKER
     # Connections that may wait for their hello at once (the server refuses more).
     max_connections_before_hello: int = MAX_CONNECTIONS_BEFORE_HELLO
+    # Control connections open at once, leased or not (`control.max_connections`).
+    max_connections: int = MAX_CONTROL_CONNECTIONS
     # The router's own listeners (public, admin, control): never a worker's url.
     own_listeners: tuple[UpstreamAddress, ...] = ()
     # Folders whose unix sockets any worker may name (`control.worker_socket_dirs`).
@@ -181,7 +186,12 @@ class ControlSession:
         worker.last_heard = now
         if op == b"claim":
             key = raw_key.decode()
-            if self._over_claim_cap(worker, kind, key):
+            # The cap, inlined (one counter read per claim): _over_claim_cap's rule.
+            claims = self.core.claims
+            if (
+                claims.held_count(worker.id) >= self.policy.max_claims_per_worker
+                and claims.lookup(kind, key) is None
+            ):
                 return "claim", "too_many_claims", encode_line(self._too_many(json.loads(raw_id)))
             refusal = self.core.claim(worker, kind, key, now)
             if refusal is None:

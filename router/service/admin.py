@@ -113,10 +113,16 @@ def cross_origin(method: str, host_header: str | None, headers: dict[str, str]) 
 
 @web.middleware
 async def _refuse_browser_tricks(request: web.Request, handler: Any) -> web.StreamResponse:
-    """421 for a Host that is not this listener's, 403 for a cross-origin change."""
+    """421 for a Host that is not this listener's, 403 for a cross-origin change.
+
+    Off loopback, health and metrics are open to whoever reaches the port (a
+    scraper naming the router's service): any Host is taken for them."""
     admin = request.app[_SERVICE].config.admin
     host_header = request.headers.get("Host")
-    if not host_allowed(host_header, admin.host, frozenset(admin.allowed_hosts)):
+    open_to_all = request.path in _OPEN_PATHS and not is_loopback_host(admin.host)
+    if not open_to_all and not host_allowed(
+        host_header, admin.host, frozenset(admin.allowed_hosts)
+    ):
         detail = "This Host is not the admin listener's address (admin.allowed_hosts)."
         return web.json_response({"error": "misdirected_host", "detail": detail}, status=421)
     fetch = {k: request.headers[k] for k in ("origin", "sec-fetch-site") if k in request.headers}

@@ -103,6 +103,7 @@ def control_policy(
         probed_ids=_spawned_ids(config, register="probe"),
         max_claims_per_worker=control.max_claims_per_worker,
         max_connections_before_hello=control.max_connections_before_hello,
+        max_connections=control.max_connections,
         own_listeners=own_listeners(config, bound),
         # Where each folder really is: a socket is judged by where its path leads.
         worker_socket_dirs=tuple(os.path.realpath(d) for d in control.worker_socket_dirs),

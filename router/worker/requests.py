@@ -138,7 +138,11 @@ class RequestBook:
         """Hand `reply` to the request it answers (a reply for none is logged and dropped)."""
         request_id = reply.get("id")
         if request_id is None:
-            log.warning("the router could not parse a control line: %s", reply.get("error"))
+            error = reply.get("error")
+            if error == "too_many_connections":  # it closes this connection; we redial
+                log.warning("the router refused this control connection: %s", reply.get("detail"))
+            else:
+                log.warning("the router could not parse a control line: %s", error)
             return
         request = None
         if isinstance(request_id, int) and not isinstance(request_id, bool):

@@ -1649,3 +1649,11 @@ def test_a_secret_file_that_is_a_fifo_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(config_file)
     assert "not a regular file (a FIFO)" in info.value.reason
+
+
+def test_the_control_connection_cap_is_read() -> None:
+    assert parse("control: {max_connections: 9}").control.max_connections == 9
+    assert Config().control.max_connections == 4096
+    with pytest.raises(ConfigError) as info:
+        parse("control: {max_connections: 0}")
+    assert info.value.key_path == "control.max_connections"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from router.control.server import ControlServer
 from router.control.session import ControlPolicy, ControlSession, Peer
 from router.core.machine import CoreSettings, RouterCore
 from router.protocol.control import decode_line, encode_line
-from tests.router_fixtures import RawLease
+from tests.router_fixtures import RawLease, wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -181,3 +182,36 @@ async def test_connections_past_the_cap_of_those_waiting_for_hello_are_refused(
             lease.abort()
     finally:
         await server.close()
+
+
+async def test_connections_past_the_cap_of_open_ones_are_refused_leased_or_not(
+    tmp_path: Path,
+) -> None:
+    server = await _served(tmp_path, max_connections=2)
+    address = f"unix:{tmp_path}/control.sock"
+    try:
+        leased = await RawLease.open(address)
+        assert (await leased.hello("w0", URL, "boot-1"))["ok"] is True
+        waiting = await RawLease.open(address)
+        assert (await waiting.call("ping"))["error"] == "no_hello"
+        refused = await RawLease.open(address)
+        reply = await refused.read_reply()
+        assert reply["error"] == "too_many_connections"
+        assert "control.max_connections" in reply["detail"]
+        assert await refused.closed_by_peer()
+        assert (await leased.call("ping"))["ok"] is True  # the others carry on
+        waiting.abort()
+        await wait_until(_fewer_than(server, 2), "the aborted connection to be forgotten")
+        again = await RawLease.open(address)
+        assert (await again.call("ping"))["error"] == "no_hello"
+        for lease in (leased, again):
+            lease.abort()
+    finally:
+        await server.close()
+
+
+def _fewer_than(server: ControlServer, count: int) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return server.connection_count < count
+
+    return check

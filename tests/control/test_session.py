@@ -1118,3 +1118,16 @@ def test_the_fast_path_answers_any_line_as_the_general_path_does(
             twins.close("a", now)
         elif isinstance(line, bytes) and line.strip():
             twins.send(conn, line, now)
+
+
+def test_ipv4_and_ipv6_loopback_on_one_port_are_two_workers_and_localhost_clashes_with_both() -> (
+    None
+):
+    v4, v6 = "http://127.0.0.1:9001", "http://[::1]:9001"
+    book().run(
+        [
+            (Send("a", hello(1, "w0", url=v4)), ok(1, **ROUTER), {W("w0"): "live @a"}),
+            (Send("b", hello(2, "w1", url=v6)), ok(2, **ROUTER), {W("w1"): "live @b"}),
+            (Send("c", hello(3, "w2", url="http://localhost:9001")), err(3, "worker_busy")),
+        ]
+    )

@@ -8,13 +8,19 @@ worker cannot).
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import shutil
 import socket
+import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from router.control.server import ControlServer
 from router.control.session import ControlPolicy, ControlSession, Peer
 from router.control.worker_urls import SocketFacts, url_refusal
 from router.core.machine import CoreSettings, RouterCore
@@ -179,3 +185,76 @@ def test_a_hello_naming_the_routers_public_port_is_forbidden() -> None:
     reply = _hello(me, "http://localhost:8080", own_listeners=listeners)
     assert reply["error"] == "forbidden" and "own listeners" in str(reply["detail"])
     assert _hello(me, "http://localhost:8081", own_listeners=listeners)["ok"] is True
+
+
+# --- the confused deputy, with a real peer of another uid --------------------------------
+
+
+def _hello_as(uid: int, control_path: str, urls: list[str]) -> list[dict[str, object]]:
+    """Say hello with each of `urls` from a forked process running as `uid` (its peer
+    credentials are the kernel's, not a test's), one connection each; their replies."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no event loop, no pytest, only a socket
+        code = 1
+        try:
+            os.close(read_end)
+            os.setgid(uid)
+            os.setuid(uid)
+            replies = []
+            for url in urls:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                    sock.settimeout(5)
+                    sock.connect(control_path)
+                    hello = {"op": "hello", "id": 1, "v": 1, "worker": "w0", "url": url}
+                    sock.sendall(json.dumps({**hello, "boot": "b0"}).encode() + b"\n")
+                    replies.append(sock.makefile("rb").readline().decode())
+            os.write(write_end, json.dumps(replies).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        data = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return [json.loads(line) for line in json.loads(data)]
+
+
+def _deputy_folder() -> tuple[Path, list[socket.socket]]:
+    """A folder the other uid may traverse (tmp_path's parents are mode 0700), with a
+    socket only root may open and one of the friend's own."""
+    folder = Path(tempfile.mkdtemp(prefix="episode-router-deputy-"))
+    folder.chmod(0o711)
+    made = []
+    for name, owner in (("root-only.sock", 0), ("friend.sock", FRIEND)):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(folder / name))
+        made.append(sock)
+        os.chown(folder / name, owner, owner)
+        (folder / name).chmod(0o600)
+    return folder, made
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="a peer of another uid needs root")
+async def test_a_peer_of_an_allowed_uid_cannot_make_a_root_router_its_deputy() -> None:
+    folder, made = _deputy_folder()
+    try:
+        core = RouterCore(CoreSettings(kinds={"episode": False}), time.monotonic())
+        policy = ControlPolicy(0, frozenset({FRIEND}), frozenset(), None, "router-boot")
+        server = ControlServer(core, policy, on_lease_lost=lambda _worker: None)
+        control = str(folder / "control.sock")
+        await server.start(f"unix:{control}")
+        try:
+            os.chmod(control, 0o666)  # the friend may connect
+            urls = [f"unix:{folder}/root-only.sock", f"unix:{folder}/friend.sock"]
+            deputy, own = await asyncio.to_thread(_hello_as, FRIEND, control, urls)
+        finally:
+            await server.close()
+    finally:
+        for sock in made:
+            sock.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    assert deputy["ok"] is False and deputy["error"] == "forbidden"
+    assert "not the worker's own" in str(deputy["detail"])
+    assert own["ok"] is True

@@ -92,6 +92,9 @@ def _address(url: str) -> UpstreamAddress:
         ("unix:/run/w.sock", "unix:/run/./w.sock", True),
         ("http://127.0.0.1:9001", "http://127.0.0.1:9002", False),
         ("http://127.0.0.1:9001", "http://127.0.0.2:9001", False),  # another socket
+        # Two sockets (design §3 "One address grammar"): a dual-stack server may hold
+        # both, two processes one each.
+        ("http://127.0.0.1:9001", "http://[::1]:9001", False),
         ("http://localhost:9001", "http://10.0.0.5:9001", False),
         ("http://127.0.0.1:9001", "unix:/run/w.sock", False),
         ("unix:/run/w.sock", "unix:/run/v.sock", False),

@@ -392,3 +392,20 @@ async def test_a_page_of_another_origin_cannot_drain_or_reload(rig: Rig) -> None
     # The same request without a browser's headers (curl, the CLI) is taken.
     assert (await rig.admin("POST", "/admin/workers/w0/drain")).status == 200
     assert (await rig.worker_views())["w0"]["draining"] is True
+
+
+async def test_off_loopback_health_and_metrics_take_any_host_and_the_rest_does_not(
+    rig: Rig,
+) -> None:
+    """A scraper that names the router's service (compose's `router:9901`) still gets
+    /metrics; the API itself wants a Host of the listener's own, token or not."""
+    await rig.start_router()
+    await _admin_off_loopback(rig)
+    port = rig.router.admin_port
+    named = {"Host": f"router:{port}", "Authorization": f"Bearer {ADMIN_TOKEN}"}
+    for path in ("/metrics", "/healthz", "/readyz"):
+        reply = await rig.admin("GET", path, named)
+        assert reply.status != 421 and b"misdirected_host" not in reply.body, path
+    assert (await rig.admin("GET", "/metrics", named)).status == 200
+    reply = await rig.admin("GET", "/admin/workers", named)
+    assert (reply.status, reply.json()["error"]) == (421, "misdirected_host")

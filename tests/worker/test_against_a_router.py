@@ -222,3 +222,31 @@ async def test_a_resync_over_a_lowered_cap_keeps_the_first_claims_and_drops_the_
     assert answered[-1] == ("sync", "ok")
     assert service.core.claims.held_count("w0") == 3
     assert {c.key for c in service.core.claims.held_by("w0")} == {k for _, k in kept}
+
+
+async def test_a_client_refused_for_too_many_connections_redials_until_taken(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = router_config(rig.tmp_path)
+    control = dataclasses.replace(config.control, max_connections=1)
+    service = await rig.start_router(dataclasses.replace(config, control=control))
+    squatter = await RawLease.open(service.config.control.socket)
+    assert (await squatter.call("ping"))["error"] == "no_hello"  # it holds the one slot
+    answered = _watch_replies(service)
+    url = await _worker_url(rig)
+    client = ControlClient(
+        service.config.control.socket, worker_id="w0", url=url, reconnect_max_s=0.2
+    )
+    starting = asyncio.create_task(client.start(), name="start")
+    rig.stack.push_async_callback(client.stop)
+    await asyncio.sleep(0.5)  # refused, redialling with backoff
+    assert not starting.done() and not client.connected
+    assert _hellos(answered) == []  # none of its connections got as far as a hello
+    said = [r.getMessage() for r in caplog.records if r.name == "router.client"]
+    assert any(m.startswith("the router refused this control connection: ") for m in said)
+
+    squatter.abort()
+    await asyncio.wait_for(starting, 5)
+    assert client.connected
+    await client.claim("ep1-a0")
+    assert client.held == {("episode", "ep1-a0")}
