@@ -231,6 +231,7 @@ async def test_clients_that_never_read_a_reply_that_fits_the_buffer_hold_no_conn
         await asyncio.sleep(0.5)
         results = [await steady_call(router) for _ in range(3)]
         held = router.forwarder.budget.held
+        shown = series(scrape(router.metrics), "episode_router_buffered_bytes")
     finally:
         for sock in idle:
             sock.close()
@@ -238,6 +239,7 @@ async def test_clients_that_never_read_a_reply_that_fits_the_buffer_hold_no_conn
     assert [status for status, _ in results] == [200] * 3
     assert max(took for _, took in results) < 2.0, results
     assert 2 * POOL * size // 2 <= held <= router.forwarder.budget.limit  # in memory, within budget
+    assert shown == {"": held}  # and shown to operators
     assert upstream_failures(router) == {}
 
 
@@ -261,4 +263,5 @@ async def test_past_the_budget_a_body_streams_as_a_large_one_would(
         conn.close()
 
     assert (streamed, status) == (1, 200)  # the worker had the head before the body was in
-    assert router.forwarder.budget.refused >= 1
+    refusals = series(scrape(router.metrics), "episode_router_buffer_budget_refusals_total")
+    assert refusals == {"": router.forwarder.budget.refused} and router.forwarder.budget.refused
