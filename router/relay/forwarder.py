@@ -472,7 +472,7 @@ class Forwarder(LaneOwner):
             exchange.paced = True
             return _STREAMS
         if length is not None and length > bound:
-            why = await self._read_whole(exchange, None, bound)
+            why = await self._read_whole(exchange, None, max(bound, _READ_STEP))
             if why is not _STREAMS:
                 return why
         self.paced_over_share += 1
@@ -500,10 +500,12 @@ class Forwarder(LaneOwner):
                 if most is not None and reply.buffered > most:
                     return _STREAMS
                 if reply.buffered >= held:
-                    if not self.budget.reserve(step):
+                    # Past what is held by a step: reading (paused at `held`) goes on.
+                    more = reply.buffered - held + step
+                    if not self.budget.reserve(more):
                         return _STREAMS
-                    held += step
-                    exchange.reserved += step
+                    held += more
+                    exchange.reserved += more
                     conn.read_up_to(held)
                 if await conn.wait(loop.time() + idle_s) == TIMED_OUT:
                     return f"no reply data for {idle_s:g} s"
@@ -553,6 +555,8 @@ class Forwarder(LaneOwner):
 # identity: a reason for a broken reply is never this object).
 _STREAMS: Final = "relayed at the client's pace"
 _EVENT_STREAM: Final = b"text/event-stream"
+# A reply read whole past the reply buffer reserves budget this much at a time.
+_READ_STEP: Final = 1024 * 1024
 
 
 def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:

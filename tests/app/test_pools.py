@@ -265,3 +265,94 @@ async def test_past_the_budget_a_body_streams_as_a_large_one_would(
     assert (streamed, status) == (1, 200)  # the worker had the head before the body was in
     refusals = series(scrape(router.metrics), "episode_router_buffer_budget_refusals_total")
     assert refusals == {"": router.forwarder.budget.refused} and router.forwarder.budget.refused
+
+
+async def open_non_readers(router: RouterService, count: int, ask: bytes) -> list[socket.socket]:
+    loop = asyncio.get_running_loop()
+    idle: list[socket.socket] = []
+    for _ in range(count):
+        sock = _reading_nothing()
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", router.public_port))
+        await loop.sock_sendall(sock, ask)
+        idle.append(sock)
+    return idle
+
+
+async def test_replies_too_large_to_buffer_past_the_share_are_read_into_memory(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # A reply buffer far under the replies: each is relayed at its client's pace, two (the
+    # share of 4) holding connections; the others are read whole within the budget.
+    router = await start(rig, tmp_path, reply_buffer_bytes=1024)
+    worker = await rig.add_worker("w0")
+    await worker.claim("ep-a0")
+    size = 6_000_000
+    ask = request_bytes("GET", f"/big?bytes={size}", episode_headers())
+    idle = await open_non_readers(router, 2 * POOL, ask)
+    try:
+        await asyncio.sleep(0.5)
+        results = [await steady_call(router) for _ in range(3)]
+        held = router.forwarder.budget.held
+    finally:
+        for sock in idle:
+            sock.close()
+
+    assert [status for status, _ in results] == [200] * 3
+    assert held >= (2 * POOL - POOL // 2) * size  # the ones past the share, in memory
+    assert router.forwarder.paced_over_share == 0
+    assert upstream_failures(router) == {}
+
+
+async def test_past_the_share_and_the_budget_a_reply_streams_and_is_counted(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path, reply_buffer_bytes=1024, buffer_budget_bytes=0)
+    worker = await rig.add_worker("w0")
+    await worker.claim("ep-a0")
+    ask = request_bytes("GET", "/big?bytes=6000000", episode_headers())
+    idle = await open_non_readers(router, POOL // 2 + 1, ask)
+    try:
+        for _ in range(100):  # 2 s at most
+            if router.forwarder.paced_over_share:
+                break
+            await asyncio.sleep(0.02)
+        status, _ = await steady_call(router)  # the last free connection
+    finally:
+        for sock in idle:
+            sock.close()
+
+    assert (router.forwarder.paced_over_share, status) == (1, 200)
+    over = series(scrape(router.metrics), "episode_router_paced_over_share_total")
+    assert over == {"": 1}
+
+
+async def test_event_streams_flush_at_once_and_take_no_paced_place(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path, body_buffer_bytes=16)
+    worker = await rig.add_worker("w0")
+    await worker.claim("ep-a0")
+    conns: list[RawHttp] = []
+    streams = []
+    try:
+        for _ in range(POOL // 2):  # as many as the paced share: if they took it...
+            conn = await RawHttp.open(router.public_port)
+            conns.append(conn)
+            conn.send(request_bytes("GET", "/sse", episode_headers()))
+            status, headers, _ = await conn.read_head()
+            first = await asyncio.wait_for(conn.reader.readuntil(b"\n\n"), 5)
+            streams.append((status, headers["content-type"].split(";")[0], first))
+        # ...an upload too large to buffer would find no paced place (503).
+        upload = await RawHttp.open(router.public_port)
+        conns.append(upload)
+        upload.send(request_bytes("POST", "/upload", episode_headers(), b"u" * 64))
+        uploaded, _, _ = await upload.read_reply()
+    finally:
+        worker.sse_go.set()
+        for conn in conns:
+            conn.close()
+
+    assert [(status, kind) for status, kind, _ in streams] == [(200, "text/event-stream")] * 2
+    assert all(first.endswith(b"data: first\n\n") for _, _, first in streams), streams
+    assert uploaded == 200
