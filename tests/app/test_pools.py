@@ -346,7 +346,9 @@ async def test_event_streams_flush_at_once_and_take_no_paced_place(
         # ...an upload too large to buffer would find no paced place (503).
         upload = await RawHttp.open(router.public_port)
         conns.append(upload)
-        upload.send(request_bytes("POST", "/upload", episode_headers(), b"u" * 64))
+        upload.send(request_bytes("POST", "/upload", episode_headers(64)) + b"u" * 32)
+        await asyncio.sleep(0.2)  # it streams: over the body buffer, not all in
+        upload.send(b"u" * 32)
         uploaded, _, _ = await upload.read_reply()
     finally:
         worker.sse_go.set()
