@@ -42,7 +42,7 @@ from router.relay.contract import (
 )
 from router.relay.exchange import Exchange, client_headers, send_whole, stale
 from router.relay.lane import Lane, LaneDone, LaneOwner
-from router.relay.pool import PoolBusy, PoolClosed, WorkerPool
+from router.relay.pool import PoolBusy, PoolClosed, WorkerPool, paced_limit
 from router.relay.reply import CLIENT_GONE, log, send_cut, stream_reply
 from router.relay.request import WHOLE_BODY_MAX, body_failure, connect_failure, outgoing
 from router.relay.upload import start_upload
@@ -104,10 +104,11 @@ class Forwarder(LaneOwner):
 
     def set_buffering(self, buffering: BufferLimits) -> None:
         """Buffer bounds for the forwards that start from now on (a config reload); bytes
-        already reserved stay counted. A pool's paced share changes when it is next
-        opened."""
+        already reserved stay counted, and so do the paced places already taken."""
         self._buffering = buffering
         self.budget.limit = buffering.budget_bytes
+        for pool in self._pools.values():
+            pool.paced_limit = paced_limit(pool.limit, buffering.paced_share)
 
     async def forward(
         self,

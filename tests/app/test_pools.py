@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from router.config import LimitsConfig, TimeoutsConfig
+from router.relay import BufferLimits
 from router.service.router_service import RouterService
 from tests.app.test_faults import ScriptedWorker, request_bytes
 from tests.metrics.test_registry import scrape, series
@@ -358,3 +359,45 @@ async def test_event_streams_flush_at_once_and_take_no_paced_place(
     assert [(status, kind) for status, kind, _ in streams] == [(200, "text/event-stream")] * 2
     assert all(first.endswith(b"data: first\n\n") for _, _, first in streams), streams
     assert uploaded == 200
+
+
+async def test_a_buffered_chunked_body_over_max_body_bytes_is_413_and_reaches_no_worker(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path, max_body_bytes=100)
+    worker = await ScriptedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    headers = [*episode_headers(), ("Transfer-Encoding", "chunked")]
+    conn = await RawHttp.open(router.public_port)
+    try:
+        conn.send(request_bytes("POST", "/upload", headers) + b"50\r\n" + b"a" * 80 + b"\r\n")
+        await asyncio.sleep(0.1)
+        conn.send(b"50\r\n" + b"b" * 80 + b"\r\n0\r\n\r\n")
+        status, _, body = await conn.read_reply()
+    finally:
+        conn.close()
+
+    assert (status, json.loads(body)["error"]) == (413, "payload_too_large")
+    assert worker.connections == 0
+
+
+async def test_a_reload_changes_the_paced_share_of_pools_already_open(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path, body_buffer_bytes=16)
+    worker = await ScriptedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    assert (await steady_call(router))[0] == 200  # the pool is open
+    router.forwarder.set_buffering(BufferLimits(body_bytes=16, paced_share=0.25))
+    big_head = request_bytes("POST", "/upload", episode_headers(100_000)) + b"b" * 100
+    streaming = await open_clients(router, 1, big_head)  # the one place of 4 x 0.25
+    extra = await RawHttp.open(router.public_port)
+    try:
+        await asyncio.sleep(0.3)
+        extra.send(big_head)
+        status, _, body = await extra.read_reply()
+    finally:
+        for conn in [*streaming, extra]:
+            conn.close()
+
+    assert (status, json.loads(body)["error"]) == (503, "worker_busy"), body
