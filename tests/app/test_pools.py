@@ -401,3 +401,28 @@ async def test_a_reload_changes_the_paced_share_of_pools_already_open(
             conn.close()
 
     assert (status, json.loads(body)["error"]) == (503, "worker_busy"), body
+
+
+async def test_a_sessionless_request_that_finds_its_worker_busy_goes_to_another(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path, worker_connections=1)
+    w0 = await rig.add_worker("w0")
+    await rig.add_worker("w1")
+    assert (await rig.admin("POST", "/admin/workers/w1/drain")).status == 200
+    held = asyncio.ensure_future(rig.request("POST", "/hang", data=b"a"))
+    try:
+        for _ in range(100):  # 2 s at most
+            if w0.parked:
+                break
+            await asyncio.sleep(0.02)
+        queued = asyncio.ensure_future(rig.request("POST", "/queued", data=b"bb"))
+        await asyncio.sleep(0.1)  # decided for w0, waiting for its one connection
+        assert (await rig.admin("DELETE", "/admin/workers/w1/drain")).status == 200
+        reply = await queued
+    finally:
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+
+    assert (reply.status, reply.worker) == (200, "w1")
+    assert upstream_failures(router) == {}
