@@ -277,11 +277,11 @@ async def run_phase(attack: Attack, name: str) -> Phase:
     tasks: list[asyncio.Task[None]] = []
     for index in range(attackers):
         if name == "slow uploads":
-            attack = slow_upload(port, attack_token, phase, stop)
+            attacker = slow_upload(port, attack_token, phase, stop)
         else:
             size = large_reply if name == "non-readers, large" else SMALL_REPLY
-            attack = non_reader(port, attack_token, size, phase, stop)
-        tasks.append(asyncio.create_task(attack, name=f"attacker {index}"))
+            attacker = non_reader(port, attack_token, size, phase, stop)
+        tasks.append(asyncio.create_task(attacker, name=f"attacker {index}"))
     if attackers:
         await asyncio.sleep(min(SETTLE_S, phase_s / 2))  # the attack is in place first
     measuring = asyncio.create_task(steady(port, steady_token, phase, stop), name="steady")

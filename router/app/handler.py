@@ -277,6 +277,12 @@ class PublicHandler(ExchangeOwner):
             if outcome.kind == "busy":
                 # The router's own crowding (the worker's pool, or its share for streamed
                 # exchanges, is full): the worker is not blamed, probed or counted failing.
+                # Nothing reached it: a sessionless request may go to another worker.
+                if sessionless and len(tried) < MAX_SESSIONLESS_TRIES:
+                    retry = self.core.balance(None, frozenset(tried))
+                    if isinstance(retry, Forward):
+                        decision = retry
+                        continue
                 return exchange.answer(failure_answer(outcome, False, decision))
             if self.metrics is not None:
                 self.metrics.upstream_failure(worker.id, outcome.kind)

@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import choose_encoder
 
 from router.core import STATUS_BY_CODE
+from router.metrics.buffers import BufferCollector, BufferFigures
 from router.metrics.counts import HotCollector
 from router.metrics.labels import (
     CLASS_LABELS,
@@ -72,7 +73,8 @@ class RouterMetrics:
     every known worker; `control_connections()` the open control
     connections; `recovery_remaining()` the seconds left in the recovery
     window (None or 0 once it is over); `journal_write_errors()` failed
-    journal appends (None when there is no journal). `kinds` are the
+    journal appends (None when there is no journal); `buffering()` the forwarder's
+    buffer figures (`router.metrics.buffers`; None: not shown). `kinds` are the
     configured session kind names: the only values the `kind` label takes
     besides "none" and "other".
 
@@ -90,6 +92,7 @@ class RouterMetrics:
         recovery_remaining: Callable[[], float | None],
         journal_write_errors: Callable[[], int] | None = None,
         in_flight: Callable[[], Iterable[tuple[str, int]]] = lambda: (),
+        buffering: Callable[[], BufferFigures] | None = None,
         kinds: Iterable[str] = ("episode",),
         max_worker_labels: int = MAX_WORKER_LABELS,
     ) -> None:
@@ -112,6 +115,8 @@ class RouterMetrics:
                 in_flight,
             )
         )
+        if buffering is not None:
+            self.registry.register(BufferCollector(buffering))
 
     def _define_event_metrics(self) -> None:
         reg = self.registry

@@ -43,7 +43,7 @@ from router.relay.contract import (
 )
 from router.relay.exchange import Exchange, client_headers, send_whole, stale
 from router.relay.lane import Lane, LaneDone, LaneOwner
-from router.relay.pool import PoolBusy, PoolClosed, WorkerPool
+from router.relay.pool import PoolBusy, PoolClosed, WorkerPool, paced_limit
 from router.relay.reply import CLIENT_GONE, log, send_cut, stream_reply
 from router.relay.request import WHOLE_BODY_MAX, body_failure, connect_failure, outgoing
 from router.relay.upload import start_upload
@@ -108,10 +108,11 @@ class Forwarder(LaneOwner):
 
     def set_buffering(self, buffering: BufferLimits) -> None:
         """Buffer bounds for the forwards that start from now on (a config reload); bytes
-        already reserved stay counted. A pool's paced share changes when it is next
-        opened."""
+        already reserved stay counted, and so do the paced places already taken."""
         self._buffering = buffering
         self.budget.limit = buffering.budget_bytes
+        for pool in self._pools.values():
+            pool.paced_limit = paced_limit(pool.limit, buffering.paced_share)
 
     async def forward(
         self,
@@ -485,7 +486,7 @@ class Forwarder(LaneOwner):
             exchange.paced = True
             return _STREAMS
         if length is not None and length > bound:
-            why = await self._read_whole(exchange, None, bound)
+            why = await self._read_whole(exchange, None, max(bound, _READ_STEP))
             if why is not _STREAMS:
                 return why
         self.paced_over_share += 1
@@ -513,10 +514,12 @@ class Forwarder(LaneOwner):
                 if most is not None and reply.buffered > most:
                     return _STREAMS
                 if reply.buffered >= held:
-                    if not self.budget.reserve(step):
+                    # Past what is held by a step: reading (paused at `held`) goes on.
+                    more = reply.buffered - held + step
+                    if not self.budget.reserve(more):
                         return _STREAMS
-                    held += step
-                    exchange.reserved += step
+                    held += more
+                    exchange.reserved += more
                     conn.read_up_to(held)
                 if await conn.wait(loop.time() + idle_s) == TIMED_OUT:
                     return f"no reply data for {idle_s:g} s"
@@ -566,6 +569,8 @@ class Forwarder(LaneOwner):
 # identity: a reason for a broken reply is never this object).
 _STREAMS: Final = "relayed at the client's pace"
 _EVENT_STREAM: Final = b"text/event-stream"
+# A reply read whole past the reply buffer reserves budget this much at a time.
+_READ_STEP: Final = 1024 * 1024
 
 
 def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:

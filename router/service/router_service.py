@@ -110,6 +110,10 @@ class RouterService:
         self.public_port = 0
         self.admin_port = 0
 
+    def _buffer_figures(self) -> tuple[int, int, int]:
+        forwarder = self.forwarder
+        return forwarder.budget.held, forwarder.budget.refused, forwarder.paced_over_share
+
     def _build_metrics(self) -> RouterMetrics:
         core = self.core
 
@@ -125,6 +129,7 @@ class RouterService:
             control_connections=lambda: self.control.connection_count,
             recovery_remaining=recovery_remaining,
             journal_write_errors=lambda: self.journal.write_errors if self.journal else 0,
+            buffering=self._buffer_figures,
             kinds=[kind.name for kind in self.config.sessions],
         )
 

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from router.config import LimitsConfig, TimeoutsConfig
+from router.relay import BufferLimits
 from router.service.router_service import RouterService
 from tests.app.test_faults import ScriptedWorker, request_bytes
 from tests.metrics.test_registry import scrape, series
@@ -231,6 +232,7 @@ async def test_clients_that_never_read_a_reply_that_fits_the_buffer_hold_no_conn
         await asyncio.sleep(0.5)
         results = [await steady_call(router) for _ in range(3)]
         held = router.forwarder.budget.held
+        shown = series(scrape(router.metrics), "episode_router_buffered_bytes")
     finally:
         for sock in idle:
             sock.close()
@@ -238,6 +240,7 @@ async def test_clients_that_never_read_a_reply_that_fits_the_buffer_hold_no_conn
     assert [status for status, _ in results] == [200] * 3
     assert max(took for _, took in results) < 2.0, results
     assert 2 * POOL * size // 2 <= held <= router.forwarder.budget.limit  # in memory, within budget
+    assert shown == {"": held}  # and shown to operators
     assert upstream_failures(router) == {}
 
 
@@ -261,4 +264,165 @@ async def test_past_the_budget_a_body_streams_as_a_large_one_would(
         conn.close()
 
     assert (streamed, status) == (1, 200)  # the worker had the head before the body was in
-    assert router.forwarder.budget.refused >= 1
+    refusals = series(scrape(router.metrics), "episode_router_buffer_budget_refusals_total")
+    assert refusals == {"": router.forwarder.budget.refused} and router.forwarder.budget.refused
+
+
+async def open_non_readers(router: RouterService, count: int, ask: bytes) -> list[socket.socket]:
+    loop = asyncio.get_running_loop()
+    idle: list[socket.socket] = []
+    for _ in range(count):
+        sock = _reading_nothing()
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", router.public_port))
+        await loop.sock_sendall(sock, ask)
+        idle.append(sock)
+    return idle
+
+
+async def test_replies_too_large_to_buffer_past_the_share_are_read_into_memory(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # A reply buffer far under the replies: each is relayed at its client's pace, two (the
+    # share of 4) holding connections; the others are read whole within the budget.
+    router = await start(rig, tmp_path, reply_buffer_bytes=1024)
+    worker = await rig.add_worker("w0")
+    await worker.claim("ep-a0")
+    size = 6_000_000
+    ask = request_bytes("GET", f"/big?bytes={size}", episode_headers())
+    idle = await open_non_readers(router, 2 * POOL, ask)
+    try:
+        await asyncio.sleep(0.5)
+        results = [await steady_call(router) for _ in range(3)]
+        held = router.forwarder.budget.held
+    finally:
+        for sock in idle:
+            sock.close()
+
+    assert [status for status, _ in results] == [200] * 3
+    assert held >= (2 * POOL - POOL // 2) * size  # the ones past the share, in memory
+    assert router.forwarder.paced_over_share == 0
+    assert upstream_failures(router) == {}
+
+
+async def test_past_the_share_and_the_budget_a_reply_streams_and_is_counted(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path, reply_buffer_bytes=1024, buffer_budget_bytes=0)
+    worker = await rig.add_worker("w0")
+    await worker.claim("ep-a0")
+    ask = request_bytes("GET", "/big?bytes=6000000", episode_headers())
+    idle = await open_non_readers(router, POOL // 2 + 1, ask)
+    try:
+        for _ in range(100):  # 2 s at most
+            if router.forwarder.paced_over_share:
+                break
+            await asyncio.sleep(0.02)
+        status, _ = await steady_call(router)  # the last free connection
+    finally:
+        for sock in idle:
+            sock.close()
+
+    assert (router.forwarder.paced_over_share, status) == (1, 200)
+    over = series(scrape(router.metrics), "episode_router_paced_over_share_total")
+    assert over == {"": 1}
+
+
+async def test_event_streams_flush_at_once_and_take_no_paced_place(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path, body_buffer_bytes=16)
+    worker = await rig.add_worker("w0")
+    await worker.claim("ep-a0")
+    conns: list[RawHttp] = []
+    streams = []
+    try:
+        for _ in range(POOL // 2):  # as many as the paced share: if they took it...
+            conn = await RawHttp.open(router.public_port)
+            conns.append(conn)
+            conn.send(request_bytes("GET", "/sse", episode_headers()))
+            status, headers, _ = await conn.read_head()
+            first = await asyncio.wait_for(conn.reader.readuntil(b"\n\n"), 5)
+            streams.append((status, headers["content-type"].split(";")[0], first))
+        # ...an upload too large to buffer would find no paced place (503).
+        upload = await RawHttp.open(router.public_port)
+        conns.append(upload)
+        upload.send(request_bytes("POST", "/upload", episode_headers(64)) + b"u" * 32)
+        await asyncio.sleep(0.2)  # it streams: over the body buffer, not all in
+        upload.send(b"u" * 32)
+        uploaded, _, _ = await upload.read_reply()
+    finally:
+        worker.sse_go.set()
+        for conn in conns:
+            conn.close()
+
+    assert [(status, kind) for status, kind, _ in streams] == [(200, "text/event-stream")] * 2
+    assert all(first.endswith(b"data: first\n\n") for _, _, first in streams), streams
+    assert uploaded == 200
+
+
+async def test_a_buffered_chunked_body_over_max_body_bytes_is_413_and_reaches_no_worker(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path, max_body_bytes=100)
+    worker = await ScriptedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    headers = [*episode_headers(), ("Transfer-Encoding", "chunked")]
+    conn = await RawHttp.open(router.public_port)
+    try:
+        conn.send(request_bytes("POST", "/upload", headers) + b"50\r\n" + b"a" * 80 + b"\r\n")
+        await asyncio.sleep(0.1)
+        conn.send(b"50\r\n" + b"b" * 80 + b"\r\n0\r\n\r\n")
+        status, _, body = await conn.read_reply()
+    finally:
+        conn.close()
+
+    assert (status, json.loads(body)["error"]) == (413, "payload_too_large")
+    assert worker.connections == 0
+
+
+async def test_a_reload_changes_the_paced_share_of_pools_already_open(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path, body_buffer_bytes=16)
+    worker = await ScriptedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    assert (await steady_call(router))[0] == 200  # the pool is open
+    router.forwarder.set_buffering(BufferLimits(body_bytes=16, paced_share=0.25))
+    big_head = request_bytes("POST", "/upload", episode_headers(100_000)) + b"b" * 100
+    streaming = await open_clients(router, 1, big_head)  # the one place of 4 x 0.25
+    extra = await RawHttp.open(router.public_port)
+    try:
+        await asyncio.sleep(0.3)
+        extra.send(big_head)
+        status, _, body = await extra.read_reply()
+    finally:
+        for conn in [*streaming, extra]:
+            conn.close()
+
+    assert (status, json.loads(body)["error"]) == (503, "worker_busy"), body
+
+
+async def test_a_sessionless_request_that_finds_its_worker_busy_goes_to_another(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path, worker_connections=1)
+    w0 = await rig.add_worker("w0")
+    await rig.add_worker("w1")
+    assert (await rig.admin("POST", "/admin/workers/w1/drain")).status == 200
+    held = asyncio.ensure_future(rig.request("POST", "/hang", data=b"a"))
+    try:
+        for _ in range(100):  # 2 s at most
+            if w0.parked:
+                break
+            await asyncio.sleep(0.02)
+        queued = asyncio.ensure_future(rig.request("POST", "/queued", data=b"bb"))
+        await asyncio.sleep(0.1)  # decided for w0, waiting for its one connection
+        assert (await rig.admin("DELETE", "/admin/workers/w1/drain")).status == 200
+        reply = await queued
+    finally:
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+
+    assert (reply.status, reply.worker) == (200, "w1")
+    assert upstream_failures(router) == {}
