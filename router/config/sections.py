@@ -68,6 +68,7 @@ _CLAIMS_KEYS: Final = (
 _LIMITS_KEYS: Final = (
     *("max_header_bytes", "max_headers", "max_body_bytes"),
     *("header_timeout_s", "idle_timeout_s", "max_line_bytes", "body_timeout_s"),
+    *("max_head_bytes", "max_held_head_bytes", "max_connections"),
 )
 _TIMEOUTS_KEYS: Final = ("connect_s", "first_byte_s", "stream_idle_s", "shutdown_grace_s")
 
@@ -350,6 +351,9 @@ def _limits(sec: Section) -> LimitsConfig:
         idle_timeout_s=sec.seconds("idle_timeout_s", d.idle_timeout_s),
         max_line_bytes=sec.integer("max_line_bytes", d.max_line_bytes),
         body_timeout_s=sec.seconds("body_timeout_s", d.body_timeout_s),
+        max_head_bytes=sec.integer("max_head_bytes", d.max_head_bytes, low=1024),
+        max_held_head_bytes=sec.integer("max_held_head_bytes", d.max_held_head_bytes, low=1024),
+        max_connections=sec.optional_integer("max_connections"),
     )
 
 
