@@ -400,6 +400,22 @@ class PublicRequest:
         # Told once if the client connection closes while this request is handled.
         self.on_client_lost: ClientLost | None = None
 
+    def let_go(self, client: DetachedClient) -> None:
+        """Its connection closed and its handler is done with it: `client` stands in for
+        the connection, and the head's headers and the body read whole are dropped, so
+        a request kept in a reference cycle (an exception's traceback holding the
+        handler's frames) holds none of the bytes of its head until the collector runs.
+        The request line stays."""
+        self.client = client
+        self.raw_headers = []
+        self._header_list = None
+        self._headers = None
+        self._whole_body = None
+        self.on_client_lost = None
+        body = self.body
+        if body is not None:
+            body.detach(client)
+
     def keep_one_header(self, name: str, value: str) -> None:
         """Header `name` (any case) becomes one line holding `value`, where its first line
         stood: what the worker gets of a session header repeated with one value."""

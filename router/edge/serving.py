@@ -48,11 +48,9 @@ MAX_PIPELINED_BYTES: Final = 128 * 1024
 
 def detach(request: PublicRequest) -> None:
     """`request`, done with on a closed connection, names that connection no more (nor
-    does its body): what of it lives on in a reference cycle keeps no connection alive."""
-    request.client = DETACHED_CLIENT
-    body = request.body
-    if body is not None:
-        body.detach(DETACHED_CLIENT)
+    does its body), and lets go of its head: what of it lives on in a reference cycle
+    keeps no connection alive, and no head's bytes."""
+    request.let_go(DETACHED_CLIENT)
 
 
 class ServingConnection(ClockedConnection):

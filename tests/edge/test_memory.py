@@ -289,3 +289,5 @@ async def test_connections_closed_on_a_router_are_freed_with_the_collector_off(
             # do not.
             assert live(EdgeConnection) == before
             assert edge.head_bytes_held == 0
+            left = [obj for obj in gc.get_objects() if type(obj) is PublicRequest]
+            assert all(not request.raw_headers for request in left)  # nor their heads
