@@ -29,11 +29,11 @@ log = logging.getLogger("episode_router")
 
 # The collector's first generation runs after this many more container objects are
 # allocated than freed (CPython's default: 700). A forward leaves almost no cycles behind,
-# so under load the default ran gen-0 passes that found nothing, at a CPU cost on every
-# request; at this threshold, none (measured with gc.callbacks under wrk:
-# docs/performance.md). They cost more with aiohttp's client, whose objects survived
-# into gen 2.
-GC_GEN0_THRESHOLD = 50_000
+# so under load the default ran gen-0 passes that found nothing; but a client that
+# leaves mid-forward leaves the relay's objects in a cycle until a pass, and at 50,000
+# a wave of them held tens of MB. This one holds a tenth of that with far fewer passes
+# than the default (measured: docs/performance.md, "The collector's threshold").
+GC_GEN0_THRESHOLD = 5_000
 
 
 def tune_gc() -> None:
