@@ -50,6 +50,9 @@ log = logging.getLogger("episode_router.edge")
 # The most bytes of one read parsed before the queue of pipelined requests is looked at
 # again: at most ~580 of the tiniest requests fit in one slice.
 PARSE_SLICE_BYTES: Final = 16384
+# A warning that connections or heads are being refused, at most this often (each one is
+# counted in the metrics): an attack is said in the log, never flooded into it.
+WARN_EVERY_S: Final = 60.0
 
 
 class EdgeServer:
@@ -74,6 +77,7 @@ class EdgeServer:
         self.refused_at_limit = 0
         self.idle_closed_for_room = 0
         self.heads_over_budget = 0
+        self._warned_at = -WARN_EVERY_S  # the loop's time of the last warning of either
         # Told of each request head the edge refuses itself (400, 414, 431), which no
         # handler sees: the metrics count them with the handler's.
         self.on_refused: Callable[[Answer], None] | None = None
@@ -83,8 +87,24 @@ class EdgeServer:
         limit = self.limits.max_connections
         if limit and len(self.connections) >= limit and not self._close_longest_idle():
             self.refused_at_limit += 1
+            self._warn("public connections refused at limits.max_connections", limit)
             return _RefusedConnection()
         return EdgeConnection(self)
+
+    def _warn(self, message: str, limit: int) -> None:
+        """A warning that a limit turned clients away, at most once per WARN_EVERY_S:
+        the metrics count each one, the log says it is happening."""
+        now = self.time()
+        if now - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = now
+            log.warning(
+                message,
+                extra={
+                    "limit": limit,
+                    "refused_connections": self.refused_at_limit,
+                    "heads_over_budget": self.heads_over_budget,
+                },
+            )
 
     def _close_longest_idle(self) -> bool:
         """At the connection limit: closes the keep-alive connection idle the longest
@@ -112,6 +132,10 @@ class EdgeServer:
                 largest = conn
         if largest is not None and largest.head_bytes:
             self.heads_over_budget += 1
+            self._warn(
+                "request heads refused at limits.max_held_head_bytes",
+                self.limits.max_held_head_bytes,
+            )
             largest.refuse_head(HeadRefusal.HEADS_OVER_BUDGET)
 
     def set_limits(self, limits: EdgeLimits) -> None:

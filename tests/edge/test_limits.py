@@ -156,3 +156,26 @@ async def test_at_the_limit_the_longest_idle_connection_makes_room_then_new_ones
             conn.close()
         listener.close()
         await edge.shutdown(0.5)
+
+
+async def test_refusals_at_the_limit_are_logged_once_a_minute_not_each(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    loop = asyncio.get_running_loop()
+    edge = EdgeServer(answer_at_once, EdgeLimits(max_connections=1), loop)
+    listener = await loop.create_server(edge, "127.0.0.1", 0)
+    port = int(listener.sockets[0].getsockname()[1])
+    held = await RawHttp.open(port)  # silent: nothing to close for room
+    refused = [await RawHttp.open(port) for _ in range(5)]
+    try:
+        for conn in refused:
+            assert await conn.read_to_end() == b""
+        assert edge.refused_at_limit == 5
+        warnings = [r for r in caplog.records if "max_connections" in r.getMessage()]
+        assert len(warnings) == 1
+        assert warnings[0].levelname == "WARNING"
+    finally:
+        for conn in (held, *refused):
+            conn.close()
+        listener.close()
+        await edge.shutdown(0.5)
