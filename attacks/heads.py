@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -300,7 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         launcher.stop_all()
     print(report.render())
-    return 0 if report.passed else 1
+    if not report.passed:
+        print(f"the router's logs: {launcher.root}")
+        return 1
+    shutil.rmtree(launcher.root, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":
