@@ -8,8 +8,9 @@ Against a router process with the default limits:
    it is read again once the router closed them. Two waves: the second must add
    nothing, and the end must be back near the start (closed connections freed at once,
    not when the collector runs);
-2. oversized heads: clients that send far more than `max_head_bytes` (99 lines of
-   16 KiB, the head that held 1.6 MB each before) get 431 `headers_too_large`;
+2. oversized heads: clients that send, all at once, far more than `max_head_bytes`
+   (99 lines of 16 KiB, the head that held 1.6 MB each before) get 431
+   `headers_too_large`, and the router's peak RSS meanwhile is sampled;
 3. pipelined heads behind a slow request: each client sends a request its worker (a
    static one run here, which parks it) holds, then 16 large complete heads behind it;
    the router stops reading past its pipelined byte bound, so the memory they hold is
@@ -17,7 +18,7 @@ Against a router process with the default limits:
 
     EPISODE_ROUTER_ATTACK=1 python attacks/heads.py [--scale 1.0]
 
-At scale 1.0: 1,000 connections per wave, 200 oversized, 30 pipelining; the CI run
+At scale 1.0: 1,000 connections per wave, 300 oversized, 30 pipelining; the CI run
 (tests/e2e/test_attacks_edge.py) uses a few dozen. Loopback only, every socket has a
 timeout, and the router is stopped by its pid at the end.
 """
@@ -59,7 +60,7 @@ MAX_HEAD_BYTES = 65536  # the default limits.max_head_bytes
 LINE = b"X-Filler: " + b"f" * 8170 + b"\r\n"  # 8 KiB: a header line within its bound
 BIG_LINE = b"X-Filler: " + b"f" * 16360 + b"\r\n"  # 16 KiB: the old attack's lines
 CONNECTIONS = 1000
-OVERSIZED = 200
+OVERSIZED = 300  # the issue's wave of 1.6 MB heads
 PIPELINING = 30
 PIPELINED = 16  # heads behind each slow request
 SETTLE_S = 1.0  # after a wave is sent or closed, before RSS is read
@@ -83,7 +84,8 @@ class HeadsReport:
     wave_closed: list[int] = field(default_factory=list)  # RSS once each wave closed
     held_metric: list[float] = field(default_factory=list)
     oversized: Counter[int] = field(default_factory=Counter)
-    oversized_s: list[float] = field(default_factory=list)
+    oversized_s: list[float] = field(default_factory=list)  # from the first send to each 431
+    oversized_peak: int = 0  # the router's peak RSS while they came
     pipelining: int = 0
     pipelined_rss: int = 0  # RSS with every pipelining client parked
     pipelined_answers: Counter[int] = field(default_factory=Counter)
@@ -99,6 +101,7 @@ class HeadsReport:
             and (self.wave_held[1] - self.wave_held[0]) / MIB <= 16
             and self.growth(self.wave_closed[-1]) <= 60
             and set(self.oversized) == {431}
+            and self.growth(self.oversized_peak) <= 100
             and set(self.pipelined_answers) == {200}
             and self.pipelined_answers[200] == self.pipelining * (PIPELINED + 1)
         )
@@ -114,7 +117,9 @@ class HeadsReport:
             )
         median = sorted(self.oversized_s)[len(self.oversized_s) // 2] if self.oversized_s else 0
         lines.append(
-            f"oversized heads: {dict(self.oversized)}, median answer {median * 1000:.1f} ms"
+            f"oversized heads ({len(self.oversized_s)} at once, 1.6 MB each): "
+            f"{dict(self.oversized)}, median answer {median * 1000:.1f} ms, "
+            f"peak +{self.growth(self.oversized_peak):.1f} MiB"
         )
         lines.append(
             f"pipelined: {self.pipelining} connections x {PIPELINED} heads behind a slow "
@@ -198,15 +203,47 @@ def run_waves(report: HeadsReport, router: Router) -> None:
         report.wave_closed.append(settled_rss(router_pid))
 
 
-def run_oversized(report: HeadsReport, port: int, count: int) -> None:
+def run_oversized(report: HeadsReport, router_pid: int, port: int, count: int) -> None:
+    """`count` clients at once, each sending the old attack's 1.6 MB head; the router's
+    peak RSS is sampled meanwhile."""
     head = b"GET /attack HTTP/1.1\r\nHost: x\r\n" + BIG_LINE * 99
-    for _ in range(count):
+    peak = PeakSampler(router_pid)
+    with peak, connections(port, count) as socks:
         started = time.monotonic()
-        with contextlib.suppress(OSError), connect(port) as sock:
-            with contextlib.suppress(OSError):
-                sock.sendall(head)
+        senders = [
+            threading.Thread(target=send_all, args=([sock], head), daemon=True) for sock in socks
+        ]
+        for sender in senders:
+            sender.start()
+        for sock in socks:
             report.oversized[read_status(sock)] += 1
-        report.oversized_s.append(time.monotonic() - started)
+            report.oversized_s.append(time.monotonic() - started)
+        for sender in senders:
+            sender.join(5)
+    report.oversized_peak = peak.peak
+
+
+class PeakSampler:
+    """The highest RSS of a process, sampled every few milliseconds from a thread."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak = rss_bytes(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            with contextlib.suppress(OSError):
+                self.peak = max(self.peak, rss_bytes(self.pid))
 
 
 def run_pipelined(report: HeadsReport, router_pid: int, port: int, worker: ParkingWorker) -> None:
@@ -274,7 +311,7 @@ def run_heads(
         report.rss_start = settled_rss(pid)
         router.wait_live(["w0"])
         run_waves(report, router)
-        run_oversized(report, router.public_port, oversized)
+        run_oversized(report, pid, router.public_port, oversized)
         run_pipelined(report, pid, router.public_port, worker)
         return report
     finally:
