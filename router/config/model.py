@@ -333,6 +333,16 @@ class LimitsConfig:
     # Connections the router keeps to one worker at most: uvicorn's and aiohttp's own
     # backlog is far larger, and a few hundred tool calls in flight per worker is plenty.
     worker_connections: int = 256
+    # A whole head, every line and what llhttp holds of a field not yet ended: twice
+    # nginx's 4 x 8 KiB, so a target of max_line_bytes with a field of max_header_bytes
+    # still fits when its first read also carried the requests before it.
+    max_head_bytes: int = 65536
+    # The unfinished heads of all public connections together: 1,024 maximal heads,
+    # whatever the number of connections that send them.
+    max_held_head_bytes: int = 64 * 1024 * 1024
+    # None: from the open-file limit (router.service.listeners.connection_limit), so a
+    # flood of connections cannot take the descriptors the control socket needs.
+    max_connections: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,7 @@ _LIMITS_KEYS: Final = (
     *("header_timeout_s", "idle_timeout_s", "max_line_bytes", "body_timeout_s"),
     *("body_buffer_bytes", "reply_buffer_bytes", "buffer_budget_bytes", "paced_share_percent"),
     "worker_connections",
+    *("max_head_bytes", "max_held_head_bytes", "max_connections"),
 )
 _TIMEOUTS_KEYS: Final = ("connect_s", "first_byte_s", "stream_idle_s", "shutdown_grace_s")
 
@@ -390,6 +391,9 @@ def _limits(sec: Section) -> LimitsConfig:
         buffer_budget_bytes=sec.integer("buffer_budget_bytes", d.buffer_budget_bytes, 0),
         paced_share_percent=sec.integer("paced_share_percent", d.paced_share_percent, 1, 100),
         worker_connections=sec.integer("worker_connections", d.worker_connections, 1, 65536),
+        max_head_bytes=sec.integer("max_head_bytes", d.max_head_bytes, low=1024),
+        max_held_head_bytes=sec.integer("max_held_head_bytes", d.max_held_head_bytes, low=1024),
+        max_connections=sec.optional_integer("max_connections"),
     )
 
 

@@ -58,6 +58,9 @@ class EdgeLimits:
     max_header_bytes: int = 16384  # as the config's default (LimitsConfig)
     max_headers: int = 100
     body_timeout_s: float = 60.0
+    max_head_bytes: int = 65536  # one unfinished head (as LimitsConfig)
+    max_held_head_bytes: int = 64 * 1024 * 1024  # all connections' unfinished heads
+    max_connections: int = 0  # open public connections; 0: no limit
 
 
 class ClockedConnection(RequestClient):

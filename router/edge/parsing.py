@@ -4,7 +4,9 @@ This module owns `ParsingConnection`, the layer of `router.edge.server.EdgeConne
 turns the bytes read into requests for the queue:
 - request heads and bodies are parsed with llhttp (httptools, strict: no lenient flags),
   under the router's limits: a request line over `max_line_bytes` is 414, a header over
-  `max_header_bytes` or more than `max_headers` of them is 431, any other malformed
+  `max_header_bytes` or more than `max_headers` of them is 431 (a whole head over
+  `max_head_bytes` too, counted per read by router.edge.server), a Content-Length
+  above `MAX_CONTENT_LENGTH` is 400, any other malformed
   head is 400, each the router's JSON answer with the connection closed, logged at
   debug level so hostile traffic cannot flood the log; a read that delivers nothing
   past what a whole field may take is a field over the limit too;
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Final
 
 from httptools import (
     HttpParserCallbackError,
@@ -42,6 +45,10 @@ __all__ = ["ParsingConnection"]
 
 log = logging.getLogger("episode_router.edge")
 
+# The largest Content-Length forwarded: a signed 64-bit size (nginx's off_t), past which
+# no worker's length parses; llhttp itself takes up to 2^64 - 1.
+MAX_CONTENT_LENGTH: Final = 2**63 - 1
+
 
 class _HeadLimit(Exception):
     """Raised from a parser callback to stop at a head over the limits."""
@@ -54,6 +61,7 @@ class ParsingConnection(ServingConnection):
         "_connection_seen",
         "_expect",
         "_feed_data",
+        "_head_bytes",
         "_headers",
         "_host",
         "_host_refused",
@@ -98,6 +106,9 @@ class ParsingConnection(ServingConnection):
         # (data_received).
         self._parse_events = 0
         self._stalled_bytes = 0  # read since anything last came out (_note_stalled)
+        # The bytes of the reads that carried the unfinished head, counted per read by
+        # router.edge.server (and held in its count of all heads) until the head ends.
+        self._head_bytes = 0
         self._url = b""
         # The header pairs as llhttp gave them, bytes: decoded only when something asks
         # for text (see PublicRequest.header_list).
@@ -222,9 +233,16 @@ class ParsingConnection(ServingConnection):
         elif size == 7 and name.lower() == b"upgrade":
             self._upgrade_seen = True
 
+    def _release_head(self) -> None:
+        """The unfinished head's bytes are held no more: it ended, was refused, or its
+        connection closed (router.edge.server takes them out of its count too)."""
+        self._head_bytes = 0
+
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._trailer_fields = 0
+        if self._head_bytes:  # the head spanned reads
+            self._release_head()
         kind = self._deadline_kind
         if kind in (HEAD_DEADLINE, IDLE_DEADLINE):
             # Either clock stops for a request being handled: the idle one may still
@@ -237,6 +255,9 @@ class ParsingConnection(ServingConnection):
         content_length = (
             content_length_number(length_text) if length_text is not None and not chunked else None
         )
+        if content_length is not None and content_length > MAX_CONTENT_LENGTH:
+            self._refusal_kind = HeadRefusal.LENGTH_TOO_LARGE
+            raise _HeadLimit
         body = RequestBody(self, self._loop) if chunked or (content_length or 0) > 0 else None
         method = method_text(self._method_of())
         if (
@@ -311,6 +332,8 @@ class ParsingConnection(ServingConnection):
     def _parse_failed(self, kind: HeadRefusal, error: str) -> None:
         self._stopped = True
         self._set_deadline(None, 0)
+        if self._head_bytes:
+            self._release_head()
         receiving = self._receiving
         if receiving is not None and receiving.body is not None and not self._in_head:
             # The head was fine and handed on; its body is not: that request fails.

@@ -18,7 +18,15 @@ from multidict import CIMultiDict
 
 from router.core import Answer
 
-__all__ = ["BodyBroken", "BodySource", "PublicRequest", "RequestBody", "RequestClient"]
+__all__ = [
+    "DETACHED_CLIENT",
+    "BodyBroken",
+    "BodySource",
+    "DetachedClient",
+    "PublicRequest",
+    "RequestBody",
+    "RequestClient",
+]
 
 # A body holds at most this much unread before its connection stops reading: a client
 # uploading faster than the worker takes it waits in its own socket buffer, not in ours.
@@ -148,8 +156,14 @@ class RequestBody:
         while not self._chunks:
             if self.complete:
                 return b""
-            if self._broken is not None:
-                raise self._broken
+            broken = self._broken
+            if broken is not None:
+                # A new exception each time: the one kept, raised, would keep the
+                # traceback, whose frames keep this body (a cycle, freed only by the
+                # collector).
+                raise BodyBroken(
+                    broken.reason, malformed=broken.malformed, timed_out=broken.timed_out
+                )
             self._waiter = self._loop.create_future()
             try:
                 await self._waiter
@@ -161,6 +175,10 @@ class RequestBody:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def detach(self, source: BodySource) -> None:
+        """Its connection closed: `source` stands in for it (router.edge.server)."""
+        self._source = source
 
 
 class ClientLost:
@@ -249,6 +267,85 @@ class RequestClient(asyncio.Protocol):
         raise NotImplementedError
 
 
+class DetachedClient(RequestClient):
+    """What a request handled on a closed connection names as its client once the
+    connection let go of it: every reply is dropped and the client is gone. The request
+    may live on in its handler's reference cycles; pointing at this, it keeps no
+    connection (and no parser, no buffers) alive with it."""
+
+    __slots__ = ()
+
+    def answer(self, request: PublicRequest, answer: Answer) -> None:
+        pass
+
+    def reply_whole(
+        self,
+        request: PublicRequest,
+        status: int,
+        reason: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> None:
+        pass
+
+    def reply_as_is(
+        self,
+        request: PublicRequest,
+        status: int,
+        whole: bytes,
+        body_length: int | None,
+        has_date: bool,
+    ) -> bool:
+        return True
+
+    def reply_start(
+        self,
+        request: PublicRequest,
+        status: int,
+        reason: bytes,
+        headers: list[tuple[bytes, bytes]],
+        first: bytes,
+    ) -> None:
+        pass
+
+    def reply_write(self, data: bytes) -> None:
+        pass
+
+    def reply_end(self) -> None:
+        pass
+
+    def reply_abort(self, idle_s: float) -> None:
+        pass
+
+    async def drain(self) -> None:
+        raise ConnectionResetError("the client went away")
+
+    def send_continue(self) -> None:
+        pass
+
+    def drop(self) -> None:
+        pass
+
+    def carry_on(self, request: PublicRequest, rest: Awaitable[None]) -> None:
+        pass
+
+    def finished(self, request: PublicRequest) -> None:
+        pass
+
+    @property
+    def client_gone(self) -> bool:
+        return True
+
+    def body_backlogged(self) -> None:
+        pass
+
+    def body_drained(self) -> None:
+        pass
+
+
+DETACHED_CLIENT: Final = DetachedClient()
+
+
 class PublicRequest:
     """One request on the public port, from its head on.
 
@@ -328,6 +425,22 @@ class PublicRequest:
         self.client = client
         # Told once if the client connection closes while this request is handled.
         self.on_client_lost: ClientLost | None = None
+
+    def let_go(self, client: DetachedClient) -> None:
+        """Its connection closed and its handler is done with it: `client` stands in for
+        the connection, and the head's headers and the body read whole are dropped, so
+        a request kept in a reference cycle (an exception's traceback holding the
+        handler's frames) holds none of the bytes of its head until the collector runs.
+        The request line stays."""
+        self.client = client
+        self.raw_headers = []
+        self._header_list = None
+        self._headers = None
+        self._whole_body = None
+        self.on_client_lost = None
+        body = self.body
+        if body is not None:
+            body.detach(client)
 
     def keep_one_header(self, name: str, value: str) -> None:
         """Header `name` (any case) becomes one line holding `value`, where its first line

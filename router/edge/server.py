@@ -1,7 +1,10 @@
 """The public listener's HTTP/1.1 server: one asyncio protocol per client connection.
 
 This module owns a client connection from accept to close: `EdgeServer` makes one
-`EdgeConnection` per accepted client and tracks them for shutdown, and the connection
+`EdgeConnection` per accepted client (up to `max_connections`: at the limit the
+longest-idle keep-alive one is closed to make room, else the new one is closed at once),
+tracks them for shutdown and counts the bytes their unfinished heads hold (over
+`max_held_head_bytes`, the largest head is refused); the connection
 answers the transport's events (made, data, EOF, lost), feeding its reads to the parser
 and handing the parsed requests on. What it does with them is in its layers, each the
 base class of the one after it here, bottom first (native single inheritance: the
@@ -18,7 +21,9 @@ and the layers cost no more than one class did; measured: docs/performance.md):
   as `PublicRequest.client`, so it sits below the parser that makes the requests;
 - `router.edge.parsing.ParsingConnection`: llhttp's callbacks under the router's limits.
 
-It replaces aiohttp's server on the public port: the same rules at about a third of
+A closed connection lets go of everything that points back at it (`_let_go`), so it is
+freed by reference counting, not when the collector runs. It replaces aiohttp's server
+on the public port: the same rules at about a third of
 the CPU (docs/performance.md). It never decides where a request goes.
 """
 
@@ -26,19 +31,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import Final, cast
 
+from httptools import HttpRequestParser
+
 from router.core import Answer
-from router.edge.clock import HEAD_DEADLINE, EdgeLimits
+from router.edge.clock import HEAD_DEADLINE, IDLE_DEADLINE, EdgeLimits
 from router.edge.parsing import ParsingConnection
-from router.edge.serving import Handler
+from router.edge.serving import Handler, detach
+from router.edge.wire import HeadRefusal
 
 __all__ = ["PARSE_SLICE_BYTES", "EdgeConnection", "EdgeLimits", "EdgeServer", "Handler"]
+
+log = logging.getLogger("episode_router.edge")
 
 # The most bytes of one read parsed before the queue of pipelined requests is looked at
 # again: at most ~580 of the tiniest requests fit in one slice.
 PARSE_SLICE_BYTES: Final = 16384
+# A warning that connections or heads are being refused, at most this often (each one is
+# counted in the metrics): an attack is said in the log, never flooded into it.
+WARN_EVERY_S: Final = 60.0
 
 
 class EdgeServer:
@@ -53,13 +67,76 @@ class EdgeServer:
         self.time = loop.time  # kept bound for the connections (see router.edge.parsing)
         self.connections: set[EdgeConnection] = set()
         self.closing = False
+        # The bytes the unfinished heads of all connections hold, counted per read
+        # (EdgeConnection._hold_head), bounded by limits.max_held_head_bytes.
+        self.head_bytes_held = 0
+        # Counted for the metrics (read at scrape time): connections accepted and closed
+        # at once at the connection limit, idle keep-alive connections closed to make
+        # room for a new one, and heads refused because all of them together held too
+        # much (the largest one is refused).
+        self.refused_at_limit = 0
+        self.idle_closed_for_room = 0
+        self.heads_over_budget = 0
+        self._warned_at = -WARN_EVERY_S  # the loop's time of the last warning of either
         # Told of each request head the edge refuses itself (400, 414, 431), which no
         # handler sees: the metrics count them with the handler's.
         self.on_refused: Callable[[Answer], None] | None = None
         self._all_closed = asyncio.Event()  # set once closing and no connection is left
 
-    def __call__(self) -> EdgeConnection:
+    def __call__(self) -> asyncio.Protocol:
+        limit = self.limits.max_connections
+        if limit and len(self.connections) >= limit and not self._close_longest_idle():
+            self.refused_at_limit += 1
+            self._warn("public connections refused at limits.max_connections", limit)
+            return _RefusedConnection()
         return EdgeConnection(self)
+
+    def _warn(self, message: str, limit: int) -> None:
+        """A warning that a limit turned clients away, at most once per WARN_EVERY_S:
+        the metrics count each one, the log says it is happening."""
+        now = self.time()
+        if now - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = now
+            log.warning(
+                message,
+                extra={
+                    "limit": limit,
+                    "refused_connections": self.refused_at_limit,
+                    "heads_over_budget": self.heads_over_budget,
+                },
+            )
+
+    def _close_longest_idle(self) -> bool:
+        """At the connection limit: closes the keep-alive connection idle the longest
+        (its client loses nothing: it connects again), if there is one. A scan of all
+        connections, only at the limit."""
+        longest: EdgeConnection | None = None
+        longest_until = 0.0
+        for conn in self.connections:
+            until = conn.idle_until
+            if until is not None and (longest is None or until < longest_until):
+                longest, longest_until = conn, until
+        if longest is None:
+            return False
+        self.idle_closed_for_room += 1
+        longest.close_idle()
+        return True
+
+    def refuse_largest_head(self) -> None:
+        """The unfinished heads together hold more than limits.max_held_head_bytes: the
+        connection holding the largest is refused (431 and closed), the likeliest to be
+        hostile, rather than the one whose read came last. A scan, only over the budget."""
+        largest: EdgeConnection | None = None
+        for conn in self.connections:
+            if largest is None or conn.head_bytes > largest.head_bytes:
+                largest = conn
+        if largest is not None and largest.head_bytes:
+            self.heads_over_budget += 1
+            self._warn(
+                "request heads refused at limits.max_held_head_bytes",
+                self.limits.max_held_head_bytes,
+            )
+            largest.refuse_head(HeadRefusal.HEADS_OVER_BUDGET)
 
     def set_limits(self, limits: EdgeLimits) -> None:
         """Limits for the connections accepted from now on (a config reload)."""
@@ -156,6 +233,12 @@ class EdgeConnection(ParsingConnection):
             self._stalled_bytes = 0
         elif self._in_head or self._receiving is not None:
             self._note_stalled(len(data))
+        if self._in_head and not self._stopped:
+            # A head that did not end in this read: its bytes are held (per read, not
+            # per field: a head that comes whole in one read costs this test only).
+            self._hold_head(len(data))
+        if len(self._queue) > 1:
+            self._hold_pipelined(len(data))
         if self._queue and not self._busy:
             self._dispatch()
         if self._stopped or self._deadline_kind == HEAD_DEADLINE:
@@ -179,6 +262,45 @@ class EdgeConnection(ParsingConnection):
             # whole with its head never gets here.
             self._restart_body_clock()
 
+    def _hold_head(self, size: int) -> None:
+        """`size` more bytes of an unfinished head, counted for it and for all heads: a
+        head over max_head_bytes is refused; all of them over max_held_head_bytes, the
+        largest one is. A read that also ended earlier requests counts whole, so a head
+        is refused within one read (PARSE_SLICE_BYTES) of the bound."""
+        self._head_bytes += size
+        server = self._server
+        server.head_bytes_held += size
+        if self._head_bytes > self._limits.max_head_bytes:
+            self._parse_failed(HeadRefusal.HEAD_TOO_LARGE, "")
+        elif server.head_bytes_held > server.limits.max_held_head_bytes:
+            server.refuse_largest_head()
+
+    def _release_head(self) -> None:
+        self._server.head_bytes_held -= self._head_bytes
+        self._head_bytes = 0
+
+    @property
+    def head_bytes(self) -> int:
+        """The bytes of the reads that carried this connection's unfinished head."""
+        return self._head_bytes
+
+    def refuse_head(self, kind: HeadRefusal) -> None:
+        """Refuses the unfinished head (431 and closed: EdgeServer.refuse_largest_head)."""
+        if not self._stopped:
+            self._parse_failed(kind, "")
+
+    @property
+    def idle_until(self) -> float | None:
+        """When an idle keep-alive connection times out (None: it is not idle)."""
+        if self._deadline_kind != IDLE_DEADLINE or self._stopped or self._queue:
+            return None
+        return self._deadline
+
+    def close_idle(self) -> None:
+        """Closes an idle keep-alive connection (to make room for a new one)."""
+        log.debug("closed an idle connection to make room at the connection limit")
+        self._close()
+
     def eof_received(self) -> bool:
         # A client's FIN is taken as its leaving, as aiohttp and nginx (without
         # proxy_ignore_client_abort) take it: half-closed HTTP clients are rare, and a
@@ -189,8 +311,15 @@ class EdgeConnection(ParsingConnection):
     def connection_lost(self, exc: BaseException | None) -> None:
         self._lost = True
         self._stopped = True
+        if self._head_bytes:
+            self._release_head()
         self._server.forget(self)
         self._set_deadline(None, 0)
+        timer = self._timer
+        if timer is not None:
+            # Cancelled, it lets go of this connection now, not when it was due.
+            self._timer = None
+            timer.cancel()
         if self._send_timer is not None:
             self._send_timer.cancel()
             self._send_timer = None
@@ -205,3 +334,41 @@ class EdgeConnection(ParsingConnection):
             watcher = self._queue[0].on_client_lost
             if watcher is not None:
                 watcher.client_lost()
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Breaks the reference cycles a connection is in (its parser and the requests
+        it queued point back at it, and it at them), so a closed connection is freed
+        at once, with the bytes its heads held, not when the collector next runs (at
+        router.service.process's threshold it ran too seldom: docs/performance.md). A
+        request with its handler stays queued: finished() pops it."""
+        queue = self._queue
+        for request in queue[1 if self._busy else 0 :]:
+            detach(request)  # parsed, never handed on: nothing else names them
+        del queue[1 if self._busy else 0 :]
+        self._unparsed = None
+        self._parser = _SPENT_PARSER
+        self._feed_data = _SPENT_PARSER.feed_data
+        self._keeps_alive = _SPENT_PARSER.should_keep_alive
+        self._method_of = _SPENT_PARSER.get_method
+        self._headers = []
+        self._url = b""
+        self.transport = None
+        self._transport_write = None
+
+
+class _RefusedConnection(asyncio.Protocol):
+    """A connection accepted over the connection limit: closed at once, before anything
+    is read (the client sees its connection end, and may try again)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+
+class _NoCallbacks:
+    """A parser's protocol that takes no callbacks (httptools calls only what exists)."""
+
+
+# The parser a closed connection points at instead of its own, which pointed back at it:
+# never fed.
+_SPENT_PARSER: Final = HttpRequestParser(_NoCallbacks())

@@ -4,7 +4,8 @@ This module owns `ServingConnection`, the layer of `router.edge.server.EdgeConne
 `PublicRequest.client` is:
 - the queue of requests parsed and not yet answered, handed to the handler one at a
   time and in order (`Handler`: `finished()`, `carry_on()`), and a refused head behind
-  them answered after them;
+  them answered after them; reading stops past `MAX_PIPELINED` of them or
+  `MAX_PIPELINED_BYTES` read while they queue;
 - the replies the handler writes for the request at the head of the queue: relayed
   replies and the router's own answers (`reply_*`, `answer`), framed for the client's
   HTTP version; the connection stays open only when both sides allow it and every
@@ -27,10 +28,10 @@ from typing import Final
 
 from router.core import Answer, render
 from router.edge.clock import HEAD_DEADLINE, IDLE_DEADLINE, ClockedConnection, EdgeLimits
-from router.edge.request import PublicRequest
+from router.edge.request import DETACHED_CLIENT, PublicRequest
 from router.edge.wire import BodyFraming, answer_head, continue_line, head_additions, reply_head
 
-__all__ = ["MAX_PIPELINED", "Handler", "ServingConnection"]
+__all__ = ["MAX_PIPELINED", "MAX_PIPELINED_BYTES", "Handler", "ServingConnection"]
 
 log = logging.getLogger("episode_router.edge")
 
@@ -40,6 +41,16 @@ log = logging.getLogger("episode_router.edge")
 Handler = Callable[[PublicRequest], Awaitable[None] | None]
 
 MAX_PIPELINED: Final = 16  # requests parsed ahead of the one being handled, before reading stops
+# ... and the bytes read while they queue, before reading stops: two maximal heads (with
+# their bodies' first bytes), more than a real pipelining client sends ahead.
+MAX_PIPELINED_BYTES: Final = 128 * 1024
+
+
+def detach(request: PublicRequest) -> None:
+    """`request`, done with on a closed connection, names that connection no more (nor
+    does its body), and lets go of its head: what of it lives on in a reference cycle
+    keeps no connection alive, and no head's bytes."""
+    request.let_go(DETACHED_CLIENT)
 
 
 class ServingConnection(ClockedConnection):
@@ -52,6 +63,7 @@ class ServingConnection(ClockedConnection):
         "_framing",
         "_halted",
         "_handler",
+        "_pipelined_bytes",
         "_queue",
         "_refusal",
         "_replied",
@@ -76,6 +88,9 @@ class ServingConnection(ClockedConnection):
         # the bound methods in router.edge.parsing.ParsingConnection). An empty list
         # is also smaller than an empty deque, per connection.
         self._queue: list[PublicRequest] = []
+        # Bytes read while requests queued behind another (their heads and bodies), until
+        # the queue is down to one again: counted per read (router.edge.server).
+        self._pipelined_bytes = 0
         self._busy = False  # the request at the head of the queue is with the handler
         self._dispatching = False  # _dispatch() is on the stack
         self._halted = False  # no more requests are handed to the handler
@@ -161,12 +176,20 @@ class ServingConnection(ClockedConnection):
             raise RuntimeError("finished() for a request that is not being handled")
         self._busy = False
         queue.pop(0)
+        if self._lost:
+            detach(request)
         if not self._replied:
             log.error("the request handler sent no reply; closing the connection")
             self._halted = True
             self.abort()
             return
-        if self._pipeline_full and len(queue) <= MAX_PIPELINED:
+        if self._pipelined_bytes and len(queue) <= 1:
+            self._pipelined_bytes = 0  # what queued behind the request is all handled
+        if (
+            self._pipeline_full
+            and len(queue) <= MAX_PIPELINED
+            and self._pipelined_bytes <= MAX_PIPELINED_BYTES
+        ):
             self._pipeline_full = False
             if self._unparsed is not None:
                 # Parsed from the loop, not from inside this reply's finish: reading
@@ -179,6 +202,16 @@ class ServingConnection(ClockedConnection):
             return
         if not self._dispatching:
             self._dispatch()
+
+    def _hold_pipelined(self, size: int) -> None:
+        """`size` more bytes read while requests queue behind the one handled: past
+        MAX_PIPELINED_BYTES, reading stops (backpressure, not a refusal) until the queue
+        is down to one. Not before: only the last request queued may still be receiving
+        its body, and it is handled once the rest are."""
+        self._pipelined_bytes += size
+        if self._pipelined_bytes > MAX_PIPELINED_BYTES and not self._pipeline_full:
+            self._pipeline_full = True
+            self._update_reading()
 
     def _refused(self, answer: Answer) -> None:
         """A head refused before any handler saw it (router.edge.server counts it)."""

@@ -52,6 +52,9 @@ class HeadRefusal(enum.Enum):
     TOO_MANY_HEADERS = "too_many_headers"
     UPGRADE_WITH_BODY = "upgrade_with_body"
     BAD_HOST = "bad_host"
+    HEAD_TOO_LARGE = "head_too_large"  # the whole head over max_head_bytes
+    HEADS_OVER_BUDGET = "heads_over_budget"  # the largest of the heads over max_held_head_bytes
+    LENGTH_TOO_LARGE = "length_too_large"  # a Content-Length above MAX_CONTENT_LENGTH
 
 
 def head_refusal_answer(refusal: HeadRefusal, parser_error: str = "") -> Answer:
@@ -62,6 +65,16 @@ def head_refusal_answer(refusal: HeadRefusal, parser_error: str = "") -> Answer:
         return Answer("headers_too_large", "A request header is over the router's limit.")
     if refusal is HeadRefusal.TOO_MANY_HEADERS:
         return Answer("headers_too_large", "The request has more headers than the router allows.")
+    if refusal is HeadRefusal.HEAD_TOO_LARGE:
+        return Answer("headers_too_large", "The request head is over the router's limit.")
+    if refusal is HeadRefusal.HEADS_OVER_BUDGET:
+        return Answer(
+            "headers_too_large",
+            "The router holds as many unfinished request heads as it may; this one was the "
+            "largest.",
+        )
+    if refusal is HeadRefusal.LENGTH_TOO_LARGE:
+        return Answer("bad_request", "The Content-Length is larger than any body a worker takes.")
     if refusal is HeadRefusal.UPGRADE_WITH_BODY:
         return Answer(
             "bad_request",

@@ -33,6 +33,7 @@ from prometheus_client.exposition import choose_encoder
 from router.core import STATUS_BY_CODE
 from router.metrics.buffers import BufferCollector, BufferFigures
 from router.metrics.counts import HotCollector
+from router.metrics.edge import EdgeCollector, EdgeCounts
 from router.metrics.labels import (
     CLASS_LABELS,
     CLIENT_CLOSED,
@@ -102,6 +103,7 @@ class RouterMetrics:
         self._max_worker_labels = max_worker_labels
         self._workers_seen: set[str] = set()
         self._known_workers = workers
+        self._edge_collector: EdgeCollector | None = None  # once the edge is up (watch_edge)
         self._define_event_metrics()
         self._prebind()
         self.registry.register(
@@ -299,6 +301,14 @@ class RouterMetrics:
         child.inc()
 
     # -- exposition ----------------------------------------------------------------
+
+    def watch_edge(self, counts: Callable[[], EdgeCounts]) -> None:
+        """Shows the public server's connection and head counts (`counts()`, read at
+        scrape time) from now on, instead of any shown before (a service started again)."""
+        if self._edge_collector is not None:
+            self.registry.unregister(self._edge_collector)
+        self._edge_collector = EdgeCollector(counts)
+        self.registry.register(self._edge_collector)
 
     def render(self, accept: str = "") -> tuple[bytes, str]:
         """The exposition body and its Content-Type. The Prometheus text format,

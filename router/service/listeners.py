@@ -3,12 +3,14 @@
 `serve_public` binds the public port to an `EdgeServer`; `serve_admin` binds an
 aiohttp application to the admin port; `bound_port` reads back the port the
 admin listener got (the config may ask for port 0). A bind failure is an
-OSError that names the config section whose address it was.
+OSError that names the config section whose address it was. `connection_limit`
+says how many public connections the open-file limit leaves room for, and
+`raise_open_file_limit` lifts the soft limit to the hard one at start.
 
 It owns the binding options (backlog, address reuse, the admin runner's
-shutdown) and nothing else: it never handles a request, never builds the edge
-server or the admin application it is given, and never closes what it bound
-(the caller's `stop` does).
+shutdown, the descriptors the listeners may take) and nothing else: it never
+handles a request, never builds the edge server or the admin application it is
+given, and never closes what it bound (the caller's `stop` does).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 from collections.abc import Iterator
+from typing import Final
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
@@ -26,6 +30,36 @@ from router.app import MAX_LOGGED_PATH
 from router.edge import EdgeServer
 
 PUBLIC_BACKLOG = 1024  # pending connections on the public port (asyncio's default: 100)
+
+# Descriptors kept out of the public connections' share: the listeners, the control
+# socket and its workers' connections, the admin listener's clients, spawned workers'
+# pipes, the journal and the logs.
+RESERVED_FILES: Final = 256
+MIN_CONNECTIONS: Final = 16  # however low the open-file limit, the public port serves a few
+
+
+def connection_limit(open_files: int) -> int:
+    """The public connections the open-file limit `open_files` leaves room for: half of
+    what the reserve leaves, since a public connection may hold a worker connection
+    while its request is forwarded."""
+    return max(MIN_CONNECTIONS, (open_files - RESERVED_FILES) // 2)
+
+
+def open_file_limit() -> int:
+    """The process's soft open-file limit (a very large one for "unlimited")."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def raise_open_file_limit() -> int:
+    """Lifts the soft open-file limit to the hard one, as nginx's worker_rlimit_nofile
+    does (the usual soft 1,024 is far below what a busy port needs); returns the soft
+    limit in force after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return open_file_limit()
 
 
 async def serve_public(edge: EdgeServer, host: str, port: int) -> asyncio.Server:

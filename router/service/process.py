@@ -1,6 +1,7 @@
 """The router process around one `RouterService`: its signals and its garbage collector.
 
-`run_until_signalled` starts the service, stops it on SIGTERM or SIGINT, and
+`run_until_signalled` raises the open-file limit to its hard limit, starts the
+service, stops it on SIGTERM or SIGINT, and
 reloads its config file on SIGHUP (a bad file is refused and logged; the running
 config stays). Once the service is up, `tune_gc` sets the collector for a
 long-running server.
@@ -19,6 +20,7 @@ import signal
 from typing import TYPE_CHECKING
 
 from router.config import ConfigError
+from router.service.listeners import raise_open_file_limit
 
 if TYPE_CHECKING:
     from router.service.router_service import RouterService
@@ -27,11 +29,11 @@ log = logging.getLogger("episode_router")
 
 # The collector's first generation runs after this many more container objects are
 # allocated than freed (CPython's default: 700). A forward leaves almost no cycles behind,
-# so under load the default ran gen-0 passes that found nothing, at a CPU cost on every
-# request; at this threshold, none (measured with gc.callbacks under wrk:
-# docs/performance.md). They cost more with aiohttp's client, whose objects survived
-# into gen 2.
-GC_GEN0_THRESHOLD = 50_000
+# so under load the default ran gen-0 passes that found nothing; but a client that
+# leaves mid-forward leaves the relay's objects in a cycle until a pass, and at 50,000
+# a wave of them held tens of MB. This one holds a tenth of that with far fewer passes
+# than the default (measured: docs/performance.md, "The collector's threshold").
+GC_GEN0_THRESHOLD = 5_000
 
 
 def tune_gc() -> None:
@@ -49,6 +51,7 @@ async def run_until_signalled(service: RouterService) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     loop.add_signal_handler(signal.SIGHUP, _reload_on_signal, service)
+    raise_open_file_limit()  # before the connection limit is drawn from it
     await service.start()
     tune_gc()
     try:

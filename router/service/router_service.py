@@ -20,6 +20,7 @@ import logging
 import secrets
 import time
 from collections.abc import Coroutine
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -30,7 +31,7 @@ from router.config import Config, config_warnings, load_config
 from router.control import ControlServer, ControlSession
 from router.core import RouterCore, Worker, WorkerOrigin, WorkerState
 from router.edge import EdgeServer
-from router.metrics import RouterMetrics
+from router.metrics import EdgeCounts, RouterMetrics
 from router.protocol import UpstreamAddress, parse_upstream
 from router.relay import Forwarder, end_to_end_headers
 from router.service.admin import admin_application
@@ -174,6 +175,7 @@ class RouterService:
             self.handler.handle, edge_limits(config), asyncio.get_running_loop()
         )
         self._edge.on_refused = self.handler.refused_at_the_edge
+        self.metrics.watch_edge(partial(edge_counts, self._edge))
         self._public = await serve_public(self._edge, config.listen.host, config.listen.port)
         self.public_port = int(self._public.sockets[0].getsockname()[1])
         self._admin = await serve_admin(
@@ -477,3 +479,14 @@ def _log_skipped(path: str, skipped: list[SkippedLine]) -> None:
             "journal lines skipped",
             extra={"path": path, "bad_lines": len(skipped)},
         )
+
+
+def edge_counts(edge: EdgeServer) -> EdgeCounts:
+    """What the public server counted, for the metrics (read at scrape time)."""
+    return EdgeCounts(
+        open_connections=len(edge.connections),
+        refused_at_limit=edge.refused_at_limit,
+        idle_closed_for_room=edge.idle_closed_for_room,
+        head_bytes_held=edge.head_bytes_held,
+        heads_over_budget=edge.heads_over_budget,
+    )

@@ -27,6 +27,7 @@ from router.core import CoreSettings
 from router.edge import EdgeLimits
 from router.protocol import UpstreamAddress
 from router.relay import BufferLimits, ForwardTimeouts
+from router.service.listeners import connection_limit, open_file_limit
 from router.service.spawner import SpawnSpec, plan_workers
 from router.sessions import SessionKind, kind_from_config
 
@@ -75,7 +76,8 @@ def forward_buffering(config: Config) -> BufferLimits:
 
 
 def edge_limits(config: Config) -> EdgeLimits:
-    """The public server's per-connection bounds."""
+    """The public server's per-connection bounds (the connection limit from the open-file
+    limit when the config sets none)."""
     limits = config.limits
     return EdgeLimits(
         header_timeout_s=limits.header_timeout_s,
@@ -84,6 +86,9 @@ def edge_limits(config: Config) -> EdgeLimits:
         max_header_bytes=limits.max_header_bytes,
         max_headers=limits.max_headers,
         body_timeout_s=limits.body_timeout_s,
+        max_head_bytes=limits.max_head_bytes,
+        max_held_head_bytes=limits.max_held_head_bytes,
+        max_connections=limits.max_connections or connection_limit(open_file_limit()),
     )
 
 
