@@ -82,10 +82,10 @@ class Directory:
             "lookup", self._lookup_batch, settings.lookup_timeout_ms / 1000, settings.batch_limit
         )
         self._claims: Batcher[SessionKey, ClaimOutcome] = Batcher(
-            "claim", self.claim, settings.claim_timeout_s, settings.batch_limit
+            "claim", self._claim_within, settings.claim_timeout_s, settings.batch_limit
         )
         self._releases: Batcher[SessionKey, ReleaseVerdict] = Batcher(
-            "release", self.release, settings.claim_timeout_s, settings.batch_limit
+            "release", self._release_within, settings.claim_timeout_s, settings.batch_limit
         )
 
     @property
@@ -118,21 +118,11 @@ class Directory:
 
     async def claim(self, keys: Sequence[SessionKey]) -> tuple[ClaimOutcome, ...]:
         """Write owner records for `keys` (one script call); an outcome per key."""
-        s = self.settings
-        args = (s.router_id, self._epoch(), s.lease_ms, s.quiet_ms)
-        reply = await self._run(Script.CLAIM, self._owners(keys), args, s.claim_timeout_s)
-        standing, outcomes = decode_claims(reply, len(keys))
-        self._refuse_unless_ok(standing)
-        return outcomes
+        return await self._claim_within(keys, self.settings.claim_timeout_s)
 
     async def release(self, keys: Sequence[SessionKey]) -> tuple[ReleaseVerdict, ...]:
         """Mark this incarnation's records of `keys` ended (one script call)."""
-        s = self.settings
-        args = (s.router_id, self._epoch(), s.lease_ms, s.quiet_ms, s.tombstone_ms)
-        reply = await self._run(Script.RELEASE, self._owners(keys), args, s.claim_timeout_s)
-        standing, verdicts = decode_releases(reply, len(keys))
-        self._refuse_unless_ok(standing)
-        return verdicts
+        return await self._release_within(keys, self.settings.claim_timeout_s)
 
     async def claim_one(self, kind: str, key: str) -> ClaimOutcome:
         """Claim one key, batched with the other claims of this loop turn."""
@@ -163,14 +153,7 @@ class Directory:
 
     async def lookup(self, keys: Sequence[SessionKey]) -> LookupBatch:
         """Owner records and their owners' liveness for `keys`, in one script call."""
-        s = self.settings
-        reply = await self._run(
-            Script.LOOKUP,
-            self._owners(keys),
-            (s.lease_ms, s.quiet_ms),
-            s.lookup_timeout_ms / 1000,
-        )
-        return decode_lookup(reply, len(keys))
+        return await self._lookup_within(keys, self.settings.lookup_timeout_ms / 1000)
 
     async def lookup_one(self, kind: str, key: str) -> KeyLookup:
         """Look one key up, batched with the other lookups of this loop turn, under
@@ -193,8 +176,34 @@ class Directory:
         for batcher in (self._lookups, self._claims, self._releases):
             await batcher.close()
 
-    async def _lookup_batch(self, keys: list[SessionKey]) -> list[KeyLookup]:
-        batch = await self.lookup(keys)
+    async def _claim_within(
+        self, keys: Sequence[SessionKey], deadline_s: float
+    ) -> tuple[ClaimOutcome, ...]:
+        s = self.settings
+        args = (s.router_id, self._epoch(), s.lease_ms, s.quiet_ms)
+        reply = await self._run(Script.CLAIM, self._owners(keys), args, deadline_s)
+        standing, outcomes = decode_claims(reply, len(keys))
+        self._refuse_unless_ok(standing)
+        return outcomes
+
+    async def _release_within(
+        self, keys: Sequence[SessionKey], deadline_s: float
+    ) -> tuple[ReleaseVerdict, ...]:
+        s = self.settings
+        args = (s.router_id, self._epoch(), s.lease_ms, s.quiet_ms, s.tombstone_ms)
+        reply = await self._run(Script.RELEASE, self._owners(keys), args, deadline_s)
+        standing, verdicts = decode_releases(reply, len(keys))
+        self._refuse_unless_ok(standing)
+        return verdicts
+
+    async def _lookup_within(self, keys: Sequence[SessionKey], deadline_s: float) -> LookupBatch:
+        s = self.settings
+        args = (s.lease_ms, s.quiet_ms)
+        reply = await self._run(Script.LOOKUP, self._owners(keys), args, deadline_s)
+        return decode_lookup(reply, len(keys))
+
+    async def _lookup_batch(self, keys: list[SessionKey], deadline_s: float) -> list[KeyLookup]:
+        batch = await self._lookup_within(keys, deadline_s)
         return [KeyLookup(result, batch.fleet) for result in batch.results]
 
     def _owners(self, keys: Sequence[SessionKey]) -> list[str]:

@@ -83,10 +83,16 @@ async def test_a_paused_redis_fails_each_call_within_its_deadline_and_serves_aga
         with pytest.raises(DirectoryTimeout):
             await directory.heartbeat()
         heartbeat_took = time.monotonic() - started
+        started = time.monotonic()
+        claims = [directory.claim_one("episode", f"new{i}") for i in range(5)]
+        for failed in await asyncio.gather(*claims, return_exceptions=True):
+            assert isinstance(failed, DirectoryTimeout)
+        claims_took = time.monotonic() - started
     finally:
         redis_server.resume()
     assert lookup_took < 1.0, lookup_took  # 50 ms asked; generous on a shared machine
     assert heartbeat_took < 1.5, heartbeat_took  # 300 ms asked
+    assert claims_took < 1.5, claims_took  # 300 ms asked, one deadline for the batch
     looked = await directory.lookup_one("episode", "k1")
     assert looked.result.state is LookupState.HELD
     assert (await directory.heartbeat()).standing is Standing.OK
@@ -106,6 +112,26 @@ async def test_one_caller_past_its_deadline_leaves_the_others_of_its_batch_alone
     with pytest.raises(TimeoutError):
         await impatient()
     assert (await patient).result.state is LookupState.HELD
+
+
+async def test_a_batch_cancelled_at_shutdown_still_answers_every_caller(
+    redis_client: Redis, redis_server: RedisServer
+) -> None:
+    directory = await directory_for(redis_client)
+    redis_server.pause()  # the batch hangs in flight
+    try:
+        callers = [asyncio.ensure_future(directory.lookup_one("episode", "k1")) for _ in range(3)]
+        await asyncio.sleep(0)  # the callers ask
+        await asyncio.sleep(0)  # the flush sends the batch
+        assert directory._lookups._tasks
+        for task in list(directory._lookups._tasks):
+            task.cancel()
+        async with asyncio.timeout(10):
+            answers = await asyncio.gather(*callers, return_exceptions=True)
+        for failed in answers:
+            assert isinstance(failed, DirectoryUnavailable), failed
+    finally:
+        redis_server.resume()
 
 
 async def test_scripts_come_back_after_script_flush(
