@@ -16,7 +16,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ReadOnlyError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router.directory.batcher import Batcher
@@ -180,8 +180,18 @@ class Directory:
         self, keys: Sequence[SessionKey], deadline_s: float
     ) -> tuple[ClaimOutcome, ...]:
         s = self.settings
-        args = (s.router_id, self._epoch(), s.lease_ms, s.quiet_ms)
-        reply = await self._run(Script.CLAIM, self._owners(keys), args, deadline_s)
+        args = (self.layout.prefix, s.router_id, self._epoch(), s.lease_ms, s.quiet_ms)
+        owners = self._owners(keys)
+        if s.min_replicas:
+            # Redis ends a blocked WAIT on its timer (10 times a second by default): ask
+            # for 150 ms less than the deadline, so WAIT answers "too few" before it.
+            wait_ms = max(round(deadline_s * 1000) - 150, 1)
+            call = self._scripts.run_replicated(
+                self._redis, Script.CLAIM, owners, args, s.min_replicas, wait_ms
+            )
+            reply = await self._guarded(call, deadline_s)
+        else:
+            reply = await self._run(Script.CLAIM, owners, args[1:], deadline_s)
         standing, outcomes = decode_claims(reply, len(keys))
         self._refuse_unless_ok(standing)
         return outcomes
@@ -241,6 +251,12 @@ class Directory:
         except (RedisConnectionError, RedisTimeoutError, OSError) as error:
             self._breaker.failed(self._clock())
             raise DirectoryUnavailable(f"the directory cannot be reached: {error}") from error
+        except ReadOnlyError as error:  # a primary a failover turned into a replica
+            self._breaker.failed(self._clock())
+            raise DirectoryUnavailable(f"the directory is read-only here: {error}") from error
+        except DirectoryUnavailable:  # too few replicas acknowledged a write
+            self._breaker.failed(self._clock())
+            raise
         except ResponseError as error:
             self._breaker.succeeded()  # it answered: an error of ours, not an outage
             raise DirectoryReplyError(f"the directory refused the call: {error}") from error

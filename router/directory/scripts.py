@@ -4,6 +4,13 @@ with SCRIPT LOAD, run with EVALSHA.
 Each script is `scripts/common.lua` followed by its own file. A Redis that forgot its
 scripts (a restart, SCRIPT FLUSH, a failover to a replica that never loaded them)
 answers NOSCRIPT: the script is loaded again and the call sent once more.
+
+A call that must survive a failover (a claim, under Sentinel) is sent with WAIT in the
+same round trip: Redis answers once that many replicas hold the write. A primary that
+a failover left behind has no replica following it any more, so its writes are never
+acknowledged; Redis replicates asynchronously, and without WAIT a claim written there
+is acknowledged and then lost when it turns into a replica (seen in
+tests/directory/test_sentinel.py).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from importlib import resources
 
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
+
+from router.directory.errors import DirectoryUnavailable
 
 
 class Script(enum.Enum):
@@ -70,3 +79,34 @@ class ScriptRunner:
         except NoScriptError:
             await redis.script_load(self._source[script])
             return await redis.evalsha(sha, len(keys), *keys, *args)
+
+    async def run_replicated(
+        self,
+        redis: Redis,
+        script: Script,
+        keys: Sequence[str],
+        args: Sequence[str | int],
+        replicas: int,
+        wait_ms: int,
+    ) -> object:
+        """`run`, answered only once `replicas` replicas hold its writes (WAIT, within
+        `wait_ms`, pipelined with the call on one connection); DirectoryUnavailable when
+        fewer did in time (the writes stay on this primary, unacknowledged)."""
+        for _ in range(2):  # once more after NOSCRIPT
+            pipe = redis.pipeline(transaction=False)
+            pipe.evalsha(self._sha[script], len(keys), *keys, *args)
+            pipe.wait(replicas, max(wait_ms, 1))
+            reply, acknowledged = await pipe.execute(raise_on_error=False)
+            if isinstance(reply, NoScriptError):
+                await redis.script_load(self._source[script])
+                continue
+            if isinstance(reply, Exception):
+                raise reply
+            if isinstance(acknowledged, Exception):
+                raise acknowledged
+            if int(acknowledged) < replicas:
+                raise DirectoryUnavailable(
+                    f"{acknowledged} of {replicas} replicas acknowledged the write in {wait_ms} ms"
+                )
+            return reply
+        raise NoScriptError("the script was loaded and is still unknown")

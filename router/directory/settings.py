@@ -33,6 +33,10 @@ class DirectorySettings:
     tombstone_ttl_s: float = 3600.0
     # Up to this many keys per script call (see batching.py).
     batch_limit: int = DEFAULT_BATCH_LIMIT
+    # Replicas that must hold a claim before it is acknowledged (WAIT): 0 for a
+    # standalone Redis, which has none to wait for; 1 under Sentinel, so a failover never
+    # loses a claim a worker was told about (the wiring sets it from the config's shape).
+    min_replicas: int = 0
     # 1,000 records a call: a dead router's records get their TTL a chunk at a time, each
     # chunk about a millisecond of Redis time.
     reap_chunk: int = 1000
@@ -43,6 +47,8 @@ class DirectorySettings:
             raise ValueError(f"a peer address has no spaces: {self.peer_address!r}")
         if self.lease_ttl_s <= 0 or self.lookup_timeout_ms <= 0 or self.claim_timeout_s <= 0:
             raise ValueError("the lease, lookup timeout and claim timeout are positive")
+        if self.min_replicas < 0:
+            raise ValueError("min_replicas is 0 or more")
         if self.tombstone_ttl_s <= 0 or self.batch_limit < 1 or self.reap_chunk < 1:
             raise ValueError("the tombstone TTL, batch limit and reap chunk are positive")
 

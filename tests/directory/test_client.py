@@ -5,7 +5,10 @@ circuit breaker, the Unix socket, and the heartbeat loop."""
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
@@ -205,6 +208,38 @@ async def test_the_breaker_closes_again_once_redis_answers(redis_server: RedisSe
         assert directory.breaker.state(now[0]) is BreakerState.CLOSED
     finally:
         await client.aclose()
+
+
+async def test_a_claim_that_must_reach_a_replica_is_refused_by_a_primary_without_one(
+    redis_client: Redis,
+) -> None:
+    directory = await directory_for(redis_client, min_replicas=1, claim_timeout_s=0.3)
+    started = time.monotonic()
+    with pytest.raises(DirectoryUnavailable, match="0 of 1 replicas"):
+        await directory.claim([("episode", "k1")])
+    assert time.monotonic() - started < 1.5  # WAIT gave up within the claim's deadline
+    assert directory.breaker.failures_in_a_row == 1
+
+
+async def test_a_claim_that_must_reach_a_replica_is_acknowledged_once_it_did(
+    redis_client: Redis, redis_server: RedisServer
+) -> None:
+    redis_server.client().config_set("repl-diskless-sync-delay", 0)  # sync at once
+    folder = Path(tempfile.mkdtemp(prefix="er-replica-"))
+    replica = RedisServer(folder, extra=("--replicaof", "127.0.0.1", str(redis_server.port)))
+    try:
+        replica.start()
+        sync = replica.client()
+        for _ in range(100):  # up to 10 s for the first sync
+            if sync.info("replication").get("master_link_status") == "up":
+                break
+            await asyncio.sleep(0.1)
+        directory = await directory_for(redis_client, min_replicas=1)
+        assert await directory.claim([("episode", "k1")]) == (ClaimOutcome(ClaimVerdict.CLAIMED),)
+        assert sync.hget("{episode-router}:owner:episode:k1", "r") == "r1"  # already there
+    finally:
+        replica.stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 async def test_the_directory_is_reached_over_a_unix_socket(redis_server: RedisServer) -> None:
