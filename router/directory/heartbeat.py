@@ -33,6 +33,10 @@ class HeartbeatLoop:
         self._interval_s = (
             interval_s if interval_s is not None else directory.settings.heartbeat_interval_s
         )
+        if self._interval_s * 1000 >= directory.settings.quiet_ms:
+            # A fleet whose beats come further apart than that is always "quiet": its
+            # grace would never end, and no lapsed lease would ever count as dead.
+            raise ValueError("the heartbeat interval must be shorter than half a lease")
         self._task: asyncio.Task[None] | None = None
         self._failing = False
         self.beats = 0  # heartbeats the directory answered OK

@@ -274,3 +274,14 @@ async def test_the_heartbeat_loop_keeps_the_lease_and_calls_back_once_fenced(
             assert await fenced.get() is Standing.FENCED
     finally:
         await loop.stop()
+
+
+def test_a_heartbeat_slower_than_half_a_lease_is_refused() -> None:
+    directory = Directory(open_redis("redis://127.0.0.1:1/0"), settings(lease_ttl_s=10))
+
+    async def on_fenced(standing: Standing) -> None:
+        raise AssertionError(standing)
+
+    with pytest.raises(ValueError, match="half a lease"):
+        HeartbeatLoop(directory, on_fenced, interval_s=5)
+    assert HeartbeatLoop(directory, on_fenced)._interval_s == pytest.approx(10 / 3)
