@@ -96,5 +96,10 @@ def _fail(waiters: list[list[asyncio.Future[R]]], error: BaseException) -> None:
                 waiter.set_exception(error)
 
 
-def _fail_the_rest(waiters: list[list[asyncio.Future[R]]], name: str, _: object) -> None:
-    _fail(waiters, DirectoryUnavailable(f"the {name} batch was cancelled"))
+def _fail_the_rest(
+    waiters: list[list[asyncio.Future[R]]], name: str, task: asyncio.Task[None]
+) -> None:
+    # Only a cancelled task leaves waiters unanswered (`_answer` answers every one
+    # otherwise): walking them all after every batch cost more than the batch's decoding.
+    if task.cancelled():
+        _fail(waiters, DirectoryUnavailable(f"the {name} batch was cancelled"))
