@@ -1,14 +1,16 @@
 """The claims directory (design §10): many routers sharing one claim view on Redis.
 
 The data and its keys (`keys`, `records`, `settings`), what a lookup means for a
-request (`meaning`), the circuit breaker and the batcher's pure half are pure; the
-client (`Directory`), its Redis connection, its scripts and the heartbeat loop do I/O.
+request (`meaning`), the circuit breaker, the batcher's pure half and the lookup cache
+are pure; the client (`Directory`), its Redis connection, its scripts, the tracked
+lookup connection and the heartbeat loop do I/O.
 Not wired into routing yet: see design §10 for what is built.
 """
 
 from __future__ import annotations
 
 from router.directory.breaker import BreakerState, CircuitBreaker
+from router.directory.cache import LookupCache
 from router.directory.client import Directory, SessionKey
 from router.directory.connect import SentinelTarget, open_redis, redis_url, sentinel_nodes
 from router.directory.errors import (
@@ -39,6 +41,7 @@ from router.directory.records import (
     SweepReport,
 )
 from router.directory.settings import DirectorySettings
+from router.directory.tracking import TrackedLookups
 
 __all__ = [
     "WITHOUT_AN_ANSWER",
@@ -59,6 +62,7 @@ __all__ = [
     "KeyLayout",
     "KeyLookup",
     "LookupBatch",
+    "LookupCache",
     "LookupResult",
     "LookupState",
     "Member",
@@ -71,6 +75,7 @@ __all__ = [
     "SessionKey",
     "Standing",
     "SweepReport",
+    "TrackedLookups",
     "meaning_of",
     "open_redis",
     "redis_url",

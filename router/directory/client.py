@@ -49,6 +49,7 @@ from router.directory.records import (
 )
 from router.directory.scripts import Script, ScriptRunner
 from router.directory.settings import DirectorySettings
+from router.directory.tracking import TrackedLookups
 
 # A key as the router names it: (kind, key).
 SessionKey = tuple[str, str]
@@ -70,6 +71,7 @@ class Directory:
         *,
         breaker: CircuitBreaker | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tracking: TrackedLookups | None = None,
     ) -> None:
         self.settings = settings
         self.layout = KeyLayout(settings.prefix)
@@ -78,6 +80,9 @@ class Directory:
         self._scripts = ScriptRunner()
         self._breaker = breaker if breaker is not None else CircuitBreaker()
         self._clock = clock
+        # With tracking, lookups go over its tracked connection while it is up, and
+        # lookup_one answers from its cache (absent, ended and dead answers only).
+        self._tracking = tracking
         self._lookups: Batcher[SessionKey, KeyLookup] = Batcher(
             "lookup", self._lookup_batch, settings.lookup_timeout_ms / 1000, settings.batch_limit
         )
@@ -157,7 +162,12 @@ class Directory:
 
     async def lookup_one(self, kind: str, key: str) -> KeyLookup:
         """Look one key up, batched with the other lookups of this loop turn, under
-        `lookup_timeout_ms` of its own."""
+        `lookup_timeout_ms` of its own; from the cache when it holds the key."""
+        tracking = self._tracking
+        if tracking is not None:
+            cached = tracking.cache.get(self.layout.owner(kind, key))
+            if cached is not None:
+                return cached
         return await self._lookups.ask((kind, key))
 
     async def members(self) -> tuple[Member, ...]:
@@ -213,8 +223,19 @@ class Directory:
         return decode_lookup(reply, len(keys))
 
     async def _lookup_batch(self, keys: list[SessionKey], deadline_s: float) -> list[KeyLookup]:
-        batch = await self._lookup_within(keys, deadline_s)
-        return [KeyLookup(result, batch.fleet) for result in batch.results]
+        tracking = self._tracking
+        if tracking is None or not tracking.connected.is_set():
+            batch = await self._lookup_within(keys, deadline_s)
+            return [KeyLookup(result, batch.fleet) for result in batch.results]
+        s = self.settings
+        owners = self._owners(keys)
+        generation = tracking.cache.generation  # what the cache knew when this went out
+        args = (self.layout.prefix, s.lease_ms, s.quiet_ms)
+        reply = await self._guarded(tracking.lookup(owners, args), deadline_s)
+        batch = decode_lookup(reply, len(keys))
+        lookups = [KeyLookup(result, batch.fleet) for result in batch.results]
+        tracking.cache.store(owners, lookups, generation)
+        return lookups
 
     def _owners(self, keys: Sequence[SessionKey]) -> list[str]:
         owner = self.layout.owner

@@ -61,6 +61,9 @@ class ScriptRunner:
     def sha(self, script: Script) -> str:
         return self._sha[script]
 
+    def source(self, script: Script) -> str:
+        return self._source[script]
+
     def sha_all(self) -> list[str]:
         return list(self._sha.values())
 
