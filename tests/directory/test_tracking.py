@@ -144,3 +144,37 @@ async def test_a_redis_restart_empties_the_cache(
     assert len(tracking.cache) == 1
     redis_server.restart()
     assert await until(lambda: len(tracking.cache) == 0)
+
+
+async def test_losing_the_tracked_lookup_connection_empties_the_cache_too(
+    tracked: tuple[Directory, TrackedLookups], redis_server: RedisServer
+) -> None:
+    directory, tracking = tracked
+    await directory.lookup_one("episode", "k1")
+    assert len(tracking.cache) == 1
+    killer = redis_server.client()
+    tracked_ids = [c["id"] for c in killer.client_list() if "t" in c["flags"]]  # t: tracking
+    assert len(tracked_ids) == 1
+    killer.client_kill_filter(_id=tracked_ids[0])
+    assert await until(lambda: not tracking.cache.on)
+    async with asyncio.timeout(10):
+        await tracking.connected.wait()
+    assert (await directory.lookup_one("episode", "k1")).result.state is LookupState.ABSENT
+
+
+async def test_tracked_lookups_work_over_a_unix_socket(
+    redis_client: Redis, redis_server: RedisServer
+) -> None:
+    tracking = TrackedLookups(
+        f"unix:{redis_server.socket}", LookupCache(lease_ms=0), ScriptRunner()
+    )
+    directory = Directory(redis_client, settings("r1"), tracking=tracking)
+    await directory.register()
+    tracking.start()
+    try:
+        async with asyncio.timeout(10):
+            await tracking.connected.wait()
+        await directory.lookup_one("episode", "k1")
+        assert len(tracking.cache) == 1  # looked up on the tracked connection: kept
+    finally:
+        await tracking.stop()
