@@ -165,7 +165,8 @@ class Directory:
         `lookup_timeout_ms` of its own; from the cache when it holds the key."""
         tracking = self._tracking
         if tracking is not None:
-            cached = tracking.cache.get(self.layout.owner(kind, key))
+            now = asyncio.get_running_loop().time()
+            cached = tracking.cache.get(self.layout.owner(kind, key), now)
             if cached is not None:
                 return cached
         return await self._lookups.ask((kind, key))

@@ -32,18 +32,24 @@ log = logging.getLogger("episode_router.directory")
 
 INVALIDATE = "__redis__:invalidate"
 RETRY_S = 0.5  # after a lost connection: soon, and never a busy loop against a down Redis
+PING_S = 0.1  # a pong every 100 ms keeps the cache's silence bound (cache.py) met
 READ_SIZE = 65536
 
 
 class _Connection:
     """One RESP2 connection: requests answered in order; anything else to `on_message`."""
 
-    def __init__(self, on_message: Callable[[object], None] | None = None) -> None:
+    def __init__(
+        self,
+        on_message: Callable[[object], None] | None = None,
+        on_item: Callable[[], None] | None = None,
+    ) -> None:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._parser = hiredis.Reader(encoding="utf-8")
         self._waiting: deque[asyncio.Future[Any]] = deque()
         self._on_message = on_message
+        self._on_item = on_item
         self.closed = asyncio.Event()
 
     async def open(self, address: dict[str, Any]) -> None:
@@ -74,13 +80,22 @@ class _Connection:
                 self._parser.feed(data)
                 while (item := self._parser.gets()) is not False:
                     self._deliver(item)
+                if self._on_item is not None:
+                    self._on_item()
         except OSError:
             pass
         finally:
             self.close()
 
+    def send(self, *args: str | int) -> None:
+        """Send a command whose reply nobody waits for (it goes to `on_message`)."""
+        if self._writer is not None and not self.closed.is_set():
+            self._writer.write(hiredis.pack_command(args))  # type: ignore[arg-type]
+
     def _deliver(self, item: object) -> None:
-        if self._waiting:
+        if self._on_message is not None and isinstance(item, list) and item[:1] == ["message"]:
+            self._on_message(item)  # a published message is never a reply
+        elif self._waiting:
             reply = self._waiting.popleft()
             if not reply.done():  # a caller past its deadline cancelled its own
                 reply.set_result(item)
@@ -144,23 +159,28 @@ class TrackedLookups:
             await asyncio.sleep(RETRY_S)
 
     async def _connect_and_watch(self) -> None:
-        channel = _Connection(self._on_channel_message)
+        channel = _Connection(self._on_channel_message, self._heard)
         lookups = _Connection()
         readers: list[asyncio.Task[None]] = []
         try:
             await channel.open(self._address)
-            readers.append(asyncio.ensure_future(channel.read_until_closed()))
+            loop = asyncio.get_running_loop()
+            readers.append(loop.create_task(channel.read_until_closed(), name="directory-channel"))
             channel_id = await channel.call("CLIENT", "ID")
             await channel.call("SUBSCRIBE", INVALIDATE)
             await lookups.open(self._address)
-            readers.append(asyncio.ensure_future(lookups.read_until_closed()))
+            readers.append(loop.create_task(lookups.read_until_closed(), name="directory-tracked"))
             tracking = await lookups.call("CLIENT", "TRACKING", "ON", "REDIRECT", channel_id)
             if isinstance(tracking, hiredis.ReplyError):
                 raise DirectoryUnavailable(f"client tracking refused: {tracking}")
             self._lookups = lookups
             self.cache.switch_on()
             self.connected.set()
-            closed = [asyncio.ensure_future(c.closed.wait()) for c in (channel, lookups)]
+            closed: list[asyncio.Future[Any]] = [
+                loop.create_task(c.closed.wait(), name="directory-tracking-closed")
+                for c in (channel, lookups)
+            ]
+            closed.append(loop.create_task(self._ping(channel), name="directory-channel-ping"))
             try:
                 await asyncio.wait(closed, return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -172,6 +192,15 @@ class TrackedLookups:
             for reader in readers:
                 reader.cancel()
             await asyncio.gather(*readers, return_exceptions=True)
+
+    async def _ping(self, channel: _Connection) -> None:
+        """PING the channel every PING_S (a subscribed connection answers it)."""
+        while not channel.closed.is_set():
+            channel.send("PING")  # the pong is read, and heard, by the channel's reader
+            await asyncio.sleep(PING_S)
+
+    def _heard(self) -> None:
+        self.cache.heard(asyncio.get_running_loop().time())
 
     def _went_down(self) -> None:
         self.connected.clear()

@@ -10,7 +10,14 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from router.directory import Directory, FleetView, KeyLookup, LookupResult, LookupState
+from router.directory import (
+    Directory,
+    DirectoryTimeout,
+    FleetView,
+    KeyLookup,
+    LookupResult,
+    LookupState,
+)
 from router.directory.cache import LookupCache
 from router.directory.records import ABSENT, Owner, OwnerState
 from router.directory.scripts import ScriptRunner
@@ -26,10 +33,11 @@ ENDED = LookupResult(LookupState.ENDED, Owner("r2", 1, OwnerState.ENDED))
 def test_the_cache_keeps_absent_ended_and_dead_answers_never_held_ones() -> None:
     cache = LookupCache(lease_ms=10_000)
     cache.switch_on()
+    cache.heard(0)
     answers = [KeyLookup(ABSENT, SETTLED), KeyLookup(HELD, SETTLED), KeyLookup(ENDED, SETTLED)]
     assert cache.store(["a", "h", "e"], answers, cache.generation) == 2
-    assert cache.get("a") == answers[0] and cache.get("e") == answers[2]
-    assert cache.get("h") is None
+    assert cache.get("a", 0) == answers[0] and cache.get("e", 0) == answers[2]
+    assert cache.get("h", 0) is None
     # An absent record in a fleet still repopulating proves nothing: not kept.
     assert cache.store(["y"], [KeyLookup(ABSENT, YOUNG)], cache.generation) == 0
 
@@ -37,31 +45,45 @@ def test_the_cache_keeps_absent_ended_and_dead_answers_never_held_ones() -> None
 def test_a_lookup_that_saw_an_invalidation_in_flight_stores_nothing() -> None:
     cache = LookupCache(lease_ms=10_000)
     cache.switch_on()
+    cache.heard(0)
     sent_at = cache.generation
     cache.invalidate(["other"])  # arrived while the lookup was in flight
     assert cache.store(["a"], [KeyLookup(ABSENT, SETTLED)], sent_at) == 0
-    assert cache.get("a") is None
+    assert cache.get("a", 0) is None
 
 
 def test_the_cache_forgets_invalidated_keys_a_flush_and_everything_when_switched_off() -> None:
     cache = LookupCache(lease_ms=10_000)
     assert cache.store(["a"], [KeyLookup(ABSENT, SETTLED)], cache.generation) == 0  # off
     cache.switch_on()
+    cache.heard(0)
     cache.store(["a", "b"], [KeyLookup(ABSENT, SETTLED)] * 2, cache.generation)
     cache.invalidate(["a"])
-    assert cache.get("a") is None and cache.get("b") is not None
+    assert cache.get("a", 0) is None and cache.get("b", 0) is not None
     cache.invalidate(None)
     assert len(cache) == 0
     cache.store(["b"], [KeyLookup(ABSENT, SETTLED)], cache.generation)
     cache.switch_off()
-    assert cache.get("b") is None and len(cache) == 0
+    assert cache.get("b", 0) is None and len(cache) == 0
+
+
+def test_the_cache_answers_only_while_its_channel_was_heard_lately() -> None:
+    cache = LookupCache(lease_ms=10_000, max_silence_s=0.3)
+    cache.switch_on()
+    cache.heard(10.0)
+    cache.store(["a"], [KeyLookup(ABSENT, SETTLED)], cache.generation)
+    assert cache.get("a", 10.29) is not None
+    assert cache.get("a", 10.31) is None  # silent too long: a cut link, perhaps
+    cache.heard(10.4)
+    assert cache.get("a", 10.5) is not None
 
 
 def test_the_cache_is_bounded() -> None:
     cache = LookupCache(lease_ms=10_000, max_entries=2)
     cache.switch_on()
+    cache.heard(0)
     kept = cache.store(["a", "b", "c"], [KeyLookup(ABSENT, SETTLED)] * 3, cache.generation)
-    assert kept == 2 and cache.get("c") is None
+    assert kept == 2 and cache.get("c", 0) is None
 
 
 @pytest.fixture
@@ -101,7 +123,7 @@ async def test_an_absent_answer_is_served_from_the_cache_until_a_claim_invalidat
     assert again == first and redis_server.script_calls() == calls  # no Redis command
     other = await directory_for(redis_client, "r2")
     await other.claim([("episode", "k1")])
-    assert await until(lambda: tracking.cache.get("{episode-router}:owner:episode:k1") is None)
+    assert await until(lambda: "{episode-router}:owner:episode:k1" not in tracking.cache)
     assert (await directory.lookup_one("episode", "k1")).result.state is LookupState.HELD
 
 
@@ -178,3 +200,25 @@ async def test_tracked_lookups_work_over_a_unix_socket(
         assert len(tracking.cache) == 1  # looked up on the tracked connection: kept
     finally:
         await tracking.stop()
+
+
+async def test_a_silent_channel_stops_cached_answers_within_the_silence_bound(
+    tracked: tuple[Directory, TrackedLookups], redis_server: RedisServer
+) -> None:
+    """A paused Redis stands in for a cut link: nothing closes, nothing arrives."""
+    directory, tracking = tracked
+    await directory.lookup_one("episode", "k1")
+    assert len(tracking.cache) == 1
+    redis_server.pause()
+    try:
+        await asyncio.sleep(0.6)  # twice the silence bound
+        with pytest.raises(DirectoryTimeout):  # asked of Redis, not answered from the cache
+            await directory.lookup_one("episode", "k1")
+    finally:
+        redis_server.resume()
+    assert await until(lambda: directory_cache_answers(directory, tracking))
+
+
+def directory_cache_answers(directory: Directory, tracking: TrackedLookups) -> bool:
+    now = asyncio.get_running_loop().time()
+    return tracking.cache.get("{episode-router}:owner:episode:k1", now) is not None
