@@ -33,6 +33,12 @@ log = logging.getLogger("episode_router.directory")
 INVALIDATE = "__redis__:invalidate"
 RETRY_S = 0.5  # after a lost connection: soon, and never a busy loop against a down Redis
 PING_S = 0.1  # a pong every 100 ms keeps the cache's silence bound (cache.py) met
+# 2 s, as claim_timeout_s: connecting, subscribing and turning tracking on take a few
+# round trips; past that the Redis (or the link) is not answering: try again later.
+SETUP_TIMEOUT_S = 2.0
+# 5 s without a pong: the connections are given up and made again (a link cut without a
+# close would otherwise hold them, silent, until TCP gives up, which takes minutes).
+RECONNECT_AFTER_S = 5.0
 READ_SIZE = 65536
 
 
@@ -115,10 +121,19 @@ class _Connection:
 class TrackedLookups:
     """The lookup script on a tracked connection, with the cache it keeps valid."""
 
-    def __init__(self, address: str, cache: LookupCache, scripts: ScriptRunner) -> None:
+    def __init__(
+        self,
+        address: str,
+        cache: LookupCache,
+        scripts: ScriptRunner,
+        reconnect_after_s: float = RECONNECT_AFTER_S,
+    ) -> None:
         self._address: dict[str, Any] = dict(parse_url(redis_url(address)))
         self.cache = cache
         self._scripts = scripts
+        self._reconnect_after_s = reconnect_after_s
+        self._heard_at = 0.0
+        self.sessions = 0  # times both connections were set up, tracking on
         self._lookups: _Connection | None = None
         self._task: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()  # both connections up, tracking on
@@ -152,7 +167,7 @@ class TrackedLookups:
         while True:
             try:
                 await self._connect_and_watch()
-            except (OSError, DirectoryUnavailable) as error:
+            except (OSError, TimeoutError, DirectoryUnavailable) as error:
                 log.warning("directory tracking lost, lookups not cached: %s", error)
             finally:
                 self._went_down()
@@ -162,17 +177,22 @@ class TrackedLookups:
         channel = _Connection(self._on_channel_message, self._heard)
         lookups = _Connection()
         readers: list[asyncio.Task[None]] = []
+        loop = asyncio.get_running_loop()
         try:
-            await channel.open(self._address)
-            loop = asyncio.get_running_loop()
-            readers.append(loop.create_task(channel.read_until_closed(), name="directory-channel"))
-            channel_id = await channel.call("CLIENT", "ID")
-            await channel.call("SUBSCRIBE", INVALIDATE)
-            await lookups.open(self._address)
-            readers.append(loop.create_task(lookups.read_until_closed(), name="directory-tracked"))
-            tracking = await lookups.call("CLIENT", "TRACKING", "ON", "REDIRECT", channel_id)
-            if isinstance(tracking, hiredis.ReplyError):
-                raise DirectoryUnavailable(f"client tracking refused: {tracking}")
+            async with asyncio.timeout(SETUP_TIMEOUT_S):
+                await channel.open(self._address)
+                reader = loop.create_task(channel.read_until_closed(), name="directory-channel")
+                readers.append(reader)
+                channel_id = await channel.call("CLIENT", "ID")
+                await channel.call("SUBSCRIBE", INVALIDATE)
+                await lookups.open(self._address)
+                reader = loop.create_task(lookups.read_until_closed(), name="directory-tracked")
+                readers.append(reader)
+                on = await lookups.call("CLIENT", "TRACKING", "ON", "REDIRECT", channel_id)
+            if isinstance(on, hiredis.ReplyError):
+                raise DirectoryUnavailable(f"client tracking refused: {on}")
+            self._heard_at = loop.time()
+            self.sessions += 1
             self._lookups = lookups
             self.cache.switch_on()
             self.connected.set()
@@ -194,13 +214,19 @@ class TrackedLookups:
             await asyncio.gather(*readers, return_exceptions=True)
 
     async def _ping(self, channel: _Connection) -> None:
-        """PING the channel every PING_S (a subscribed connection answers it)."""
+        """PING the channel every PING_S (a subscribed connection answers it); give the
+        connections up after `reconnect_after_s` without a word."""
+        loop = asyncio.get_running_loop()
         while not channel.closed.is_set():
+            if loop.time() - self._heard_at > self._reconnect_after_s:
+                log.warning("the directory's invalidation channel is silent: reconnecting")
+                return
             channel.send("PING")  # the pong is read, and heard, by the channel's reader
             await asyncio.sleep(PING_S)
 
     def _heard(self) -> None:
-        self.cache.heard(asyncio.get_running_loop().time())
+        self._heard_at = asyncio.get_running_loop().time()
+        self.cache.heard(self._heard_at)
 
     def _went_down(self) -> None:
         self.connected.clear()

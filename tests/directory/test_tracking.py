@@ -222,3 +222,28 @@ async def test_a_silent_channel_stops_cached_answers_within_the_silence_bound(
 def directory_cache_answers(directory: Directory, tracking: TrackedLookups) -> bool:
     now = asyncio.get_running_loop().time()
     return tracking.cache.get("{episode-router}:owner:episode:k1", now) is not None
+
+
+async def test_a_channel_silent_past_its_bound_is_made_again(
+    redis_client: Redis, redis_server: RedisServer
+) -> None:
+    tracking = TrackedLookups(
+        redis_server.url, LookupCache(lease_ms=0), ScriptRunner(), reconnect_after_s=0.5
+    )
+    directory = Directory(redis_client, settings("r1"), tracking=tracking)
+    await directory.register()
+    tracking.start()
+    try:
+        async with asyncio.timeout(10):
+            await tracking.connected.wait()
+        assert tracking.sessions == 1
+        redis_server.pause()  # the link goes silent; nothing closes
+        try:
+            assert await until(lambda: not tracking.connected.is_set(), 5)
+        finally:
+            redis_server.resume()
+        assert await until(lambda: tracking.sessions == 2 and tracking.connected.is_set(), 10)
+        await directory.lookup_one("episode", "k1")
+        assert len(tracking.cache) == 1
+    finally:
+        await tracking.stop()
