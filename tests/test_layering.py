@@ -54,6 +54,9 @@ def test_the_import_contracts_hold() -> None:
         ("edge/wire.py", "import router.relay.pool", "The edge never imports the relay"),
         ("worker/lines.py", "import router.core.claims", "The worker client imports only"),
         ("metrics/labels.py", "import router.app", "Each part imports only the parts"),
+        ("directory/records.py", "import redis", "The pure parts import no event loop"),
+        ("directory/meaning.py", "import asyncio", "The pure parts import no event loop"),
+        ("directory/client.py", "import router.config", "Each part imports only the parts"),
     ],
 )
 def test_a_forbidden_import_breaks_a_contract(

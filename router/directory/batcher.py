@@ -1,0 +1,105 @@
+"""The event-loop half of the batcher: callers of one loop turn share one script call.
+
+`ask(key)` queues the key and schedules a flush with `call_soon`, which runs after
+every callback already ready in this turn of the loop: concurrent callers that ask in
+the same turn go out together (`router/directory/batching.py` keeps them, in slices).
+
+Deadlines: every caller of a batch asked within one loop turn, so one deadline serves
+them all, counted from the first of them: the batch's call gets what is left of it,
+and a caller is never kept past its own. One timer a batch, not one a caller (a timer
+per caller was a quarter of the client's CPU per claim+release pair). A caller may
+give up earlier on its own: that cancels only its own future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from functools import partial
+from typing import Generic, TypeVar
+
+from router.directory.batching import DEFAULT_BATCH_LIMIT, PendingBatch
+from router.directory.errors import DirectoryReplyError, DirectoryUnavailable
+
+K = TypeVar("K", bound=Hashable)
+R = TypeVar("R")
+
+
+class Batcher(Generic[K, R]):
+    """Batches `ask(key)` calls into `send(keys, seconds_left)` calls of at most
+    `limit` keys; `send` must end within `seconds_left` (raising on its own)."""
+
+    __slots__ = ("_deadline_s", "_first_at", "_limit", "_name", "_pending", "_send", "_tasks")
+
+    def __init__(
+        self,
+        name: str,
+        send: Callable[[list[K], float], Awaitable[Sequence[R]]],
+        deadline_s: float,
+        limit: int = DEFAULT_BATCH_LIMIT,
+    ) -> None:
+        self._name = name
+        self._send = send
+        self._deadline_s = deadline_s
+        self._limit = limit
+        self._pending: PendingBatch[K, asyncio.Future[R]] = PendingBatch()
+        self._tasks: set[asyncio.Task[None]] = set()  # referenced until done
+        self._first_at = 0.0  # loop time of the first ask since the last flush
+
+    async def ask(self, key: K) -> R:
+        """The answer for `key` from the next batch, within the deadline from the ask:
+        or the error the batch's call raised (DirectoryTimeout past the deadline)."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[R] = loop.create_future()
+        if self._pending.add(key, waiter):
+            self._first_at = loop.time()
+            loop.call_soon(self._flush)
+        return await waiter
+
+    def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline_at = self._first_at + self._deadline_s
+        for keys, waiters in self._pending.take(self._limit):
+            answer = self._answer(keys, waiters, deadline_at)
+            task = loop.create_task(answer, name=f"directory-{self._name}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            # A task cancelled (at shutdown), even before it started, still answers.
+            task.add_done_callback(partial(_fail_the_rest, waiters, self._name))
+
+    async def _answer(
+        self, keys: list[K], waiters: list[list[asyncio.Future[R]]], deadline_at: float
+    ) -> None:
+        try:
+            left = max(deadline_at - asyncio.get_running_loop().time(), 0.0)
+            results = await self._send(keys, left)
+            if len(results) != len(keys):
+                raise DirectoryReplyError(f"{len(keys)} keys asked, {len(results)} answers")
+        except Exception as error:
+            _fail(waiters, error)
+            return
+        for result, each in zip(results, waiters, strict=True):
+            for waiter in each:
+                if not waiter.done():  # a caller that gave up cancelled its own
+                    waiter.set_result(result)
+
+    async def close(self) -> None:
+        """Wait for the batches in flight (each is under its own deadline)."""
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _fail(waiters: list[list[asyncio.Future[R]]], error: BaseException) -> None:
+    for each in waiters:
+        for waiter in each:
+            if not waiter.done():
+                waiter.set_exception(error)
+
+
+def _fail_the_rest(
+    waiters: list[list[asyncio.Future[R]]], name: str, task: asyncio.Task[None]
+) -> None:
+    # Only a cancelled task leaves waiters unanswered (`_answer` answers every one
+    # otherwise): walking them all after every batch cost more than the batch's decoding.
+    if task.cancelled():
+        _fail(waiters, DirectoryUnavailable(f"the {name} batch was cancelled"))

@@ -1,0 +1,28 @@
+-- lookup: owner records and their owners' liveness, for a batch of keys, in one call.
+-- KEYS: the owner records. ARGV: prefix, lease ms, quiet ms.
+-- Answers now, since, grace, then per key: code, router, epoch, peer, with code 'a'
+-- (absent), 'h' (held by a live incarnation), 'e' (ended), 'x' (held by a dead one).
+local lease_ms, quiet_ms = tonumber(ARGV[2]), tonumber(ARGV[3])
+local now = now_ms()
+local since, grace = fleet_grace(now, lease_ms, quiet_ms)
+local seen = {}
+local out = {now, since, grace}
+for _, k in ipairs(KEYS) do
+  local o = redis.call('HMGET', k, 'r', 'e', 's')
+  if not o[1] then
+    out[#out + 1] = 'a'; out[#out + 1] = ''; out[#out + 1] = ''; out[#out + 1] = ''
+  elseif o[3] == 'e' then
+    out[#out + 1] = 'e'; out[#out + 1] = o[1]; out[#out + 1] = o[2]; out[#out + 1] = ''
+  else
+    local holder = o[1] .. ':' .. o[2]
+    local peer = seen[holder]
+    if peer == nil then
+      local status, address = standing(o[1], o[2], now, grace)
+      peer = status == 'ok' and address or false
+      seen[holder] = peer
+    end
+    out[#out + 1] = peer and 'h' or 'x'; out[#out + 1] = o[1]; out[#out + 1] = o[2]
+    out[#out + 1] = peer or ''
+  end
+end
+return out

@@ -1,0 +1,249 @@
+"""The lookup cache: its rules without a loop, and its invalidation by a real redis-server
+through client tracking (absent, ended and dead answers kept only while Redis can say
+they changed)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from router.directory import (
+    Directory,
+    DirectoryTimeout,
+    FleetView,
+    KeyLookup,
+    LookupResult,
+    LookupState,
+)
+from router.directory.cache import LookupCache
+from router.directory.records import ABSENT, Owner, OwnerState
+from router.directory.scripts import ScriptRunner
+from router.directory.tracking import TrackedLookups
+from tests.directory.conftest import RedisServer, directory_for, settings
+
+SETTLED = FleetView(now_ms=50_000, since_ms=0, grace_until_ms=0)
+YOUNG = FleetView(now_ms=50_000, since_ms=45_000, grace_until_ms=55_000)
+HELD = LookupResult(LookupState.HELD, Owner("r2", 1, OwnerState.HELD), "peer")
+ENDED = LookupResult(LookupState.ENDED, Owner("r2", 1, OwnerState.ENDED))
+
+
+def test_the_cache_keeps_absent_ended_and_dead_answers_never_held_ones() -> None:
+    cache = LookupCache(lease_ms=10_000)
+    cache.switch_on()
+    cache.heard(0)
+    answers = [KeyLookup(ABSENT, SETTLED), KeyLookup(HELD, SETTLED), KeyLookup(ENDED, SETTLED)]
+    assert cache.store(["a", "h", "e"], answers, cache.generation) == 2
+    assert cache.get("a", 0) == answers[0] and cache.get("e", 0) == answers[2]
+    assert cache.get("h", 0) is None
+    # An absent record in a fleet still repopulating proves nothing: not kept.
+    assert cache.store(["y"], [KeyLookup(ABSENT, YOUNG)], cache.generation) == 0
+
+
+def test_a_lookup_that_saw_an_invalidation_in_flight_stores_nothing() -> None:
+    cache = LookupCache(lease_ms=10_000)
+    cache.switch_on()
+    cache.heard(0)
+    sent_at = cache.generation
+    cache.invalidate(["other"])  # arrived while the lookup was in flight
+    assert cache.store(["a"], [KeyLookup(ABSENT, SETTLED)], sent_at) == 0
+    assert cache.get("a", 0) is None
+
+
+def test_the_cache_forgets_invalidated_keys_a_flush_and_everything_when_switched_off() -> None:
+    cache = LookupCache(lease_ms=10_000)
+    assert cache.store(["a"], [KeyLookup(ABSENT, SETTLED)], cache.generation) == 0  # off
+    cache.switch_on()
+    cache.heard(0)
+    cache.store(["a", "b"], [KeyLookup(ABSENT, SETTLED)] * 2, cache.generation)
+    cache.invalidate(["a"])
+    assert cache.get("a", 0) is None and cache.get("b", 0) is not None
+    cache.invalidate(None)
+    assert len(cache) == 0
+    cache.store(["b"], [KeyLookup(ABSENT, SETTLED)], cache.generation)
+    cache.switch_off()
+    assert cache.get("b", 0) is None and len(cache) == 0
+
+
+def test_the_cache_answers_only_while_its_channel_was_heard_lately() -> None:
+    cache = LookupCache(lease_ms=10_000, max_silence_s=0.3)
+    cache.switch_on()
+    cache.heard(10.0)
+    cache.store(["a"], [KeyLookup(ABSENT, SETTLED)], cache.generation)
+    assert cache.get("a", 10.29) is not None
+    assert cache.get("a", 10.31) is None  # silent too long: a cut link, perhaps
+    cache.heard(10.4)
+    assert cache.get("a", 10.5) is not None
+
+
+def test_the_cache_is_bounded() -> None:
+    cache = LookupCache(lease_ms=10_000, max_entries=2)
+    cache.switch_on()
+    cache.heard(0)
+    kept = cache.store(["a", "b", "c"], [KeyLookup(ABSENT, SETTLED)] * 3, cache.generation)
+    assert kept == 2 and cache.get("c", 0) is None
+
+
+@pytest.fixture
+async def tracked(
+    redis_client: Redis, redis_server: RedisServer
+) -> AsyncIterator[tuple[Directory, TrackedLookups]]:
+    tracking = TrackedLookups(redis_server.url, LookupCache(lease_ms=0), ScriptRunner())
+    directory = Directory(redis_client, settings("r1"), tracking=tracking)
+    await directory.load_scripts()
+    await directory.register()
+    tracking.start()
+    try:
+        async with asyncio.timeout(10):
+            await tracking.connected.wait()
+        yield directory, tracking
+    finally:
+        await tracking.stop()
+
+
+async def until(check: object, seconds: float = 5.0) -> bool:
+    assert callable(check)
+    for _ in range(int(seconds / 0.02)):
+        if check():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_an_absent_answer_is_served_from_the_cache_until_a_claim_invalidates_it(
+    tracked: tuple[Directory, TrackedLookups], redis_client: Redis, redis_server: RedisServer
+) -> None:
+    directory, tracking = tracked
+    first = await directory.lookup_one("episode", "k1")
+    assert first.result.state is LookupState.ABSENT
+    calls = redis_server.script_calls()
+    again = await directory.lookup_one("episode", "k1")
+    assert again == first and redis_server.script_calls() == calls  # no Redis command
+    other = await directory_for(redis_client, "r2")
+    await other.claim([("episode", "k1")])
+    assert await until(lambda: "{episode-router}:owner:episode:k1" not in tracking.cache)
+    assert (await directory.lookup_one("episode", "k1")).result.state is LookupState.HELD
+
+
+async def test_held_answers_always_ask_redis_and_ended_ones_are_kept(
+    tracked: tuple[Directory, TrackedLookups], redis_client: Redis, redis_server: RedisServer
+) -> None:
+    directory, _ = tracked
+    other = await directory_for(redis_client, "r2")
+    await other.claim([("episode", "held"), ("episode", "ended")])
+    await other.release([("episode", "ended")])
+    for key, state in (("held", LookupState.HELD), ("ended", LookupState.ENDED)):
+        assert (await directory.lookup_one("episode", key)).result.state is state
+    calls = redis_server.script_calls()
+    await directory.lookup_one("episode", "held")
+    await directory.lookup_one("episode", "ended")
+    assert redis_server.script_calls() == calls + 1  # the held one only
+
+
+async def test_losing_the_invalidation_channel_empties_the_cache_until_it_is_back(
+    tracked: tuple[Directory, TrackedLookups], redis_server: RedisServer
+) -> None:
+    directory, tracking = tracked
+    await directory.lookup_one("episode", "k1")
+    assert len(tracking.cache) == 1
+    redis_server.client().client_kill_filter(_type="pubsub")  # the channel, by Redis
+    assert await until(lambda: not tracking.cache.on)
+    assert len(tracking.cache) == 0
+    async with asyncio.timeout(10):
+        await tracking.connected.wait()  # reconnected, tracking on again
+    assert tracking.cache.on
+    await directory.lookup_one("episode", "k1")
+    assert len(tracking.cache) == 1
+
+
+async def test_a_redis_restart_empties_the_cache(
+    tracked: tuple[Directory, TrackedLookups], redis_server: RedisServer
+) -> None:
+    directory, tracking = tracked
+    await directory.lookup_one("episode", "k1")
+    assert len(tracking.cache) == 1
+    redis_server.restart()
+    assert await until(lambda: len(tracking.cache) == 0)
+
+
+async def test_losing_the_tracked_lookup_connection_empties_the_cache_too(
+    tracked: tuple[Directory, TrackedLookups], redis_server: RedisServer
+) -> None:
+    directory, tracking = tracked
+    await directory.lookup_one("episode", "k1")
+    assert len(tracking.cache) == 1
+    killer = redis_server.client()
+    tracked_ids = [c["id"] for c in killer.client_list() if "t" in c["flags"]]  # t: tracking
+    assert len(tracked_ids) == 1
+    killer.client_kill_filter(_id=tracked_ids[0])
+    assert await until(lambda: not tracking.cache.on)
+    async with asyncio.timeout(10):
+        await tracking.connected.wait()
+    assert (await directory.lookup_one("episode", "k1")).result.state is LookupState.ABSENT
+
+
+async def test_tracked_lookups_work_over_a_unix_socket(
+    redis_client: Redis, redis_server: RedisServer
+) -> None:
+    tracking = TrackedLookups(
+        f"unix:{redis_server.socket}", LookupCache(lease_ms=0), ScriptRunner()
+    )
+    directory = Directory(redis_client, settings("r1"), tracking=tracking)
+    await directory.register()
+    tracking.start()
+    try:
+        async with asyncio.timeout(10):
+            await tracking.connected.wait()
+        await directory.lookup_one("episode", "k1")
+        assert len(tracking.cache) == 1  # looked up on the tracked connection: kept
+    finally:
+        await tracking.stop()
+
+
+async def test_a_silent_channel_stops_cached_answers_within_the_silence_bound(
+    tracked: tuple[Directory, TrackedLookups], redis_server: RedisServer
+) -> None:
+    """A paused Redis stands in for a cut link: nothing closes, nothing arrives."""
+    directory, tracking = tracked
+    await directory.lookup_one("episode", "k1")
+    assert len(tracking.cache) == 1
+    redis_server.pause()
+    try:
+        await asyncio.sleep(0.6)  # twice the silence bound
+        with pytest.raises(DirectoryTimeout):  # asked of Redis, not answered from the cache
+            await directory.lookup_one("episode", "k1")
+    finally:
+        redis_server.resume()
+    assert await until(lambda: directory_cache_answers(directory, tracking))
+
+
+def directory_cache_answers(directory: Directory, tracking: TrackedLookups) -> bool:
+    now = asyncio.get_running_loop().time()
+    return tracking.cache.get("{episode-router}:owner:episode:k1", now) is not None
+
+
+async def test_a_channel_silent_past_its_bound_is_made_again(
+    redis_client: Redis, redis_server: RedisServer
+) -> None:
+    tracking = TrackedLookups(
+        redis_server.url, LookupCache(lease_ms=0), ScriptRunner(), reconnect_after_s=0.5
+    )
+    directory = Directory(redis_client, settings("r1"), tracking=tracking)
+    await directory.register()
+    tracking.start()
+    try:
+        async with asyncio.timeout(10):
+            await tracking.connected.wait()
+        assert tracking.sessions == 1
+        redis_server.pause()  # the link goes silent; nothing closes
+        try:
+            assert await until(lambda: not tracking.connected.is_set(), 5)
+        finally:
+            redis_server.resume()
+        assert await until(lambda: tracking.sessions == 2 and tracking.connected.is_set(), 10)
+        await directory.lookup_one("episode", "k1")
+        assert len(tracking.cache) == 1
+    finally:
+        await tracking.stop()
