@@ -28,12 +28,14 @@ def _run(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_ruff_lint_is_clean() -> None:
-    result = _run(_tool("ruff"), "check", "router", "tests", "bench", "fuzz", "stress")
+    result = _run(_tool("ruff"), "check", "router", "tests", "bench", "fuzz", "stress", "attacks")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_ruff_format_is_clean() -> None:
-    result = _run(_tool("ruff"), "format", "--check", "router", "tests", "bench", "fuzz", "stress")
+    result = _run(
+        _tool("ruff"), "format", "--check", "router", "tests", "bench", "fuzz", "stress", "attacks"
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
