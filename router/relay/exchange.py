@@ -59,6 +59,12 @@ class Exchange(ClientLost):
         self.paced = False  # it holds one of its pool's places for client-paced exchanges
         self.reserved = 0  # bytes of the buffer budget it holds (the forwarder's count)
 
+    def body_failed(self) -> bool:
+        """The client's body broke or went over the limit. A method, not the attributes
+        read where they were checked before an await: mypy keeps an attribute narrowed
+        (to None) across the await, and the compiled build then checks that type."""
+        return self.body_broke is not None or self.too_large
+
     def settle(self, clean: bool) -> None:
         """Lets go of the worker connection: back to the pool after a complete exchange
         (`clean`), else dropped. Idempotent."""

@@ -399,7 +399,7 @@ class Forwarder(LaneOwner):
                 return UpstreamFailure("error", reply.broken)
             deadline = exchange.deadline
             if await conn.wait(deadline) == TIMED_OUT and exchange.deadline == deadline:
-                if exchange.body_broke is not None or exchange.too_large:
+                if exchange.body_failed():
                     # The body failed as this deadline passed (the client's body clock
                     # ran out with it, and the upload ran first): the client's failure,
                     # answered at the top of the loop, never the worker's timeout.
