@@ -257,8 +257,13 @@ class ControlConnection(asyncio.Protocol):
         elif session.worker is None and self._hello_timer is None:
             # A `bye` left the connection with no lease: like a new one, it must say
             # hello again in time, or it is closed (a peer that said bye and went
-            # silent would hold a descriptor for ever).
-            self._arm_hello_deadline()
+            # silent would hold a descriptor for ever). When as many as may already
+            # wait for a hello, it is closed once its bye is answered, as a new one
+            # would be refused (design §3).
+            if len(server.waiting_for_hello) >= server.policy.max_connections_before_hello:
+                asyncio.get_running_loop().call_soon(self.close)
+            else:
+                self._arm_hello_deadline()
         return reply
 
     def _arm_hello_deadline(self) -> None:

@@ -184,6 +184,24 @@ async def test_connections_past_the_cap_of_those_waiting_for_hello_are_refused(
         await server.close()
 
 
+async def test_a_bye_when_as_many_wait_for_a_hello_as_may_closes_the_connection(
+    tmp_path: Path,
+) -> None:
+    server = await _served(tmp_path, max_connections_before_hello=1)
+    address = f"unix:{tmp_path}/control.sock"
+    try:
+        leased = await RawLease.open(address)
+        assert (await leased.hello("w0", URL, "boot-1"))["ok"] is True
+        waiting = await RawLease.open(address)  # the one place before hello is taken
+        assert (await waiting.call("ping"))["error"] == "no_hello"
+        assert (await leased.call("bye"))["ok"] is True  # answered, then closed
+        assert await leased.closed_by_peer()
+        assert len(server.waiting_for_hello) == 1
+        waiting.abort()
+    finally:
+        await server.close()
+
+
 async def test_connections_past_the_cap_of_open_ones_are_refused_leased_or_not(
     tmp_path: Path,
 ) -> None:
