@@ -280,22 +280,33 @@ class Forwarder(LaneOwner):
         """The whole body, read before any worker connection is taken, when it fits the
         body buffer and the budget: a slow upload then holds only its own bytes, and
         its silence is the body timeout's (408). None when it streams instead: too large
-        (by its Content-Length, or chunked and grown past the buffer: the part here
-        goes first), or the budget is spent. Raises UpstreamFailure (nothing was sent)."""
+        (by its Content-Length, or chunked and grown past the buffer), or the budget is
+        spent before it is all here; the part here goes first. Budget is reserved as the
+        bytes arrive (at most `_BODY_STEP` ahead of them), never for bytes only announced,
+        and given back when the body streams. Raises UpstreamFailure (nothing was sent)."""
         request = exchange.request
         stream = request.body
         assert stream is not None
         bound = self._buffering.body_bytes
         length = request.content_length
-        if length is None:
-            length = stream.received if stream.complete else bound
-        if length > bound or not self.budget.reserve(length):
+        if length is not None and length > bound:
             return None
-        exchange.reserved += length
-        if not stream.complete:
+        most = bound if length is None else length
+        held = 0
+        while True:
+            arrived = stream.received
+            if arrived > held:
+                more = min(arrived - held + _BODY_STEP, most - held)
+                if arrived > most or not self.budget.reserve(more):
+                    self._give_back(exchange)  # it streams: what is here goes out first
+                    return None
+                held += more
+                exchange.reserved += more
+            if stream.complete:
+                break
             try:
-                if not await stream.gather(length):
-                    return None  # chunked, past the buffer: it streams
+                # Returns at the end of the body, or once more than `held` is here.
+                await stream.gather(held)
             except BodyBroken as broken:
                 raise body_failure(broken, request_sent=False) from None
         body = request.read_now()
@@ -304,14 +315,18 @@ class Forwarder(LaneOwner):
             raise UpstreamFailure("too_large", "the request body is over the limit", False)
         return body
 
-    def _let_go(self, exchange: Exchange) -> None:
-        """The forward is over: its connection dropped unless the relay gave it back, its
-        paced place and its buffer bytes returned."""
-        exchange.settle(clean=False)  # a no-op once the relay settled it
+    def _give_back(self, exchange: Exchange) -> None:
+        """The budget `exchange` reserved goes back (its bytes stream, or are gone)."""
         reserved = exchange.reserved
         if reserved:
             exchange.reserved = 0
             self.budget.give_back(reserved)
+
+    def _let_go(self, exchange: Exchange) -> None:
+        """The forward is over: its connection dropped unless the relay gave it back, its
+        paced place and its buffer bytes returned."""
+        exchange.settle(clean=False)  # a no-op once the relay settled it
+        self._give_back(exchange)
 
     async def _send(self, exchange: Exchange, first: bytes, whole: bool) -> None:
         """Writes the request (`first` and `whole`: see `router.relay.request.outgoing`) on a
@@ -569,6 +584,10 @@ class Forwarder(LaneOwner):
 # identity: a reason for a broken reply is never this object).
 _STREAMS: Final = "relayed at the client's pace"
 _EVENT_STREAM: Final = b"text/event-stream"
+# A body buffered before its worker connection is taken reserves budget this much ahead
+# of the bytes here: about one reservation a read, and never more held than arrived but
+# one step (a head that announces 1 MiB and sends nothing holds nothing).
+_BODY_STEP: Final = 64 * 1024
 # A reply read whole past the reply buffer reserves budget this much at a time.
 _READ_STEP: Final = 1024 * 1024
 

@@ -426,3 +426,33 @@ async def test_a_sessionless_request_that_finds_its_worker_busy_goes_to_another(
 
     assert (reply.status, reply.worker) == (200, "w1")
     assert upstream_failures(router) == {}
+
+
+async def test_a_body_announced_and_not_sent_reserves_no_budget(rig: Rig, tmp_path: Path) -> None:
+    # Budget is reserved as body bytes arrive, never by the announced length: heads that
+    # announce the whole buffer and send 10 bytes hold one step each, not the buffer.
+    router = await start(rig, tmp_path, buffer_budget_bytes=4 << 20)
+    worker = await ScriptedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    head = request_bytes("POST", "/upload", episode_headers(1 << 20)) + b"a" * 10
+    announcers = await open_clients(router, 8, head)  # 8 MiB announced, 80 bytes sent
+    try:
+        await asyncio.sleep(0.3)
+        held = router.forwarder.budget.held
+        refused = router.forwarder.budget.refused
+        upload = request_bytes("POST", "/upload", episode_headers(), b"b" * 300_000)
+        conn = await RawHttp.open(router.public_port)
+        try:
+            conn.send(upload)
+            status, _, _ = await conn.read_reply()
+        finally:
+            conn.close()
+    finally:
+        for client in announcers:
+            client.close()
+
+    assert held <= 8 * 128 * 1024, held  # a step ahead of the bytes each, at most
+    assert refused == 0
+    assert status == 200
+    assert router.forwarder.budget.refused == 0  # the real upload was buffered whole
+    assert worker.connections == 1  # and the announcers took no worker connection
