@@ -24,7 +24,7 @@ import pytest
 from router.config import LimitsConfig, TimeoutsConfig
 from router.relay import BufferLimits
 from router.service.router_service import RouterService
-from tests.app.test_faults import ScriptedWorker, request_bytes
+from tests.app.test_faults import OK_REPLY, ScriptedWorker, request_bytes
 from tests.metrics.test_registry import scrape, series
 from tests.router_fixtures import TOKEN_HEADER, RawHttp, Rig, open_rig, router_config, token
 
@@ -456,3 +456,119 @@ async def test_a_body_announced_and_not_sent_reserves_no_budget(rig: Rig, tmp_pa
     assert status == 200
     assert router.forwarder.budget.refused == 0  # the real upload was buffered whole
     assert worker.connections == 1  # and the announcers took no worker connection
+
+
+CHUNKED_SIZE = 6_000_000  # past the kernel's socket buffers on loopback: it stays in the router
+
+
+class ChunkedWorker(ScriptedWorker):
+    """Answers `/big` with a chunked reply of CHUNKED_SIZE bytes (no Content-Length), and
+    anything else with a small one."""
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        piece = b"%x\r\n" % 65536 + b"x" * 65536 + b"\r\n"
+        tail = CHUNKED_SIZE % 65536
+        last = b"%x\r\n" % tail + b"x" * tail + b"\r\n0\r\n\r\n"
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if not head.startswith(b"GET /big "):
+                    writer.write(OK_REPLY)
+                    await writer.drain()
+                    continue
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                for _ in range(CHUNKED_SIZE // 65536):
+                    writer.write(piece)
+                    await writer.drain()
+                writer.write(last)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+async def test_chunked_replies_past_the_share_are_read_into_memory(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # A reply of unknown length past the paced share tries the budget as a Content-Length
+    # one does: the non-readers past the share hold bytes, not the worker's connections.
+    router = await start(rig, tmp_path)
+    worker = await ChunkedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    ask = request_bytes("GET", "/big", episode_headers())
+    idle = await open_non_readers(router, 2 * POOL, ask)
+    try:
+        await asyncio.sleep(1.0)
+        results = [await steady_call(router) for _ in range(3)]
+        held = router.forwarder.budget.held
+    finally:
+        for sock in idle:
+            sock.close()
+
+    assert [status for status, _ in results] == [200] * 3
+    assert max(took for _, took in results) < 2.0, results
+    assert held >= (2 * POOL - POOL // 2) * CHUNKED_SIZE // 2  # the ones past the share
+    assert router.forwarder.paced_over_share == 0
+    assert upstream_failures(router) == {}
+
+
+async def test_past_the_share_and_the_budget_a_client_that_reads_nothing_is_cut(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # No budget: the non-readers past the share wait connect_s for a paced place, then
+    # stream past it, and are cut once they take nothing for over_share_send_s: their
+    # connections come back, and the steady client gets its 200 from a free pool.
+    router = await start(rig, tmp_path, reply_buffer_bytes=1024, buffer_budget_bytes=0)
+    router.forwarder.over_share_send_s = 0.5
+    worker = await ChunkedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    ask = request_bytes("GET", "/big", episode_headers())
+    idle = await open_non_readers(router, POOL, ask)  # 2 in the share, 2 past it
+    try:
+        for _ in range(200):  # 4 s at most
+            if router.forwarder.paced_over_share_cut == POOL - POOL // 2:
+                break
+            await asyncio.sleep(0.02)
+        cut = router.forwarder.paced_over_share_cut
+        results = [await steady_call(router) for _ in range(3)]
+    finally:
+        for sock in idle:
+            sock.close()
+
+    assert (router.forwarder.paced_over_share, cut) == (POOL - POOL // 2, POOL - POOL // 2)
+    assert [status for status, _ in results] == [200] * 3
+    shown = series(scrape(router.metrics), "episode_router_paced_over_share_cut_total")
+    assert shown == {"": POOL - POOL // 2}
+    assert upstream_failures(router) == {}
+
+
+async def test_past_the_share_and_the_budget_a_client_that_reads_gets_the_whole_reply(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path, reply_buffer_bytes=1024, buffer_budget_bytes=0)
+    router.forwarder.over_share_send_s = 0.5
+    worker = await ChunkedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    ask = request_bytes("GET", "/big", episode_headers())
+    idle = await open_non_readers(router, POOL // 2, ask)  # the share, taken
+    conn = await RawHttp.open(router.public_port)
+    try:
+        for _ in range(100):  # 2 s at most
+            if router.forwarder._pools["w0"].paced == POOL // 2:
+                break
+            await asyncio.sleep(0.02)
+        conn.send(request_bytes("GET", "/big", [*episode_headers(), ("Connection", "close")]))
+        everything = await conn.read_to_end()
+    finally:
+        conn.close()
+        for sock in idle:
+            sock.close()
+
+    head, body = everything.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert body.count(b"x") == CHUNKED_SIZE  # all of it, though past the share
+    assert body.endswith(b"0\r\n\r\n")  # and cleanly ended
+    assert router.forwarder.paced_over_share == 1
+    assert router.forwarder.paced_over_share_cut == 0
