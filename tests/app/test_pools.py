@@ -572,3 +572,58 @@ async def test_past_the_share_and_the_budget_a_client_that_reads_gets_the_whole_
     assert body.endswith(b"0\r\n\r\n")  # and cleanly ended
     assert router.forwarder.paced_over_share == 1
     assert router.forwarder.paced_over_share_cut == 0
+
+
+async def test_a_body_that_switches_to_streaming_gives_its_budget_back(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path, body_buffer_bytes=1024)
+    worker = await ScriptedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    headers = [*episode_headers(), ("Transfer-Encoding", "chunked")]
+    conn = await RawHttp.open(router.public_port)
+    try:
+        conn.send(request_bytes("POST", "/upload", headers))
+        conn.send(b"%x\r\n%b\r\n" % (500, b"a" * 500))  # buffered: budget reserved
+        await asyncio.sleep(0.1)
+        reserved_while_buffered = router.forwarder.budget.held
+        conn.send(b"%x\r\n%b\r\n" % (2000, b"a" * 2000))  # past the buffer: it streams
+        for _ in range(100):  # 2 s at most
+            if worker.connections:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+        held_while_streaming = router.forwarder.budget.held
+        conn.send(b"0\r\n\r\n")
+        status, _, _ = await conn.read_reply()
+    finally:
+        conn.close()
+
+    assert 500 <= reserved_while_buffered <= 1024  # the bytes here, at most the buffer
+    assert (worker.connections, held_while_streaming, status) == (1, 0, 200)
+
+
+async def test_a_reply_that_switches_to_streaming_gives_its_budget_back(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # Past the share, the third reply is read into a 3 MiB budget that cannot hold it,
+    # then streams past the share: what it reserved goes back as it does.
+    router = await start(rig, tmp_path, reply_buffer_bytes=1024, buffer_budget_bytes=3 << 20)
+    worker = await ChunkedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    ask = request_bytes("GET", "/big", episode_headers())
+    idle = await open_non_readers(router, POOL // 2 + 1, ask)
+    try:
+        for _ in range(200):  # 4 s at most
+            if router.forwarder.paced_over_share:
+                break
+            await asyncio.sleep(0.02)
+        over = router.forwarder.paced_over_share
+        held = router.forwarder.budget.held
+        refused = router.forwarder.budget.refused
+    finally:
+        for sock in idle:
+            sock.close()
+
+    assert (over, held) == (1, 0)
+    assert refused >= 1  # it did try the budget first
