@@ -81,7 +81,7 @@ class Forwarder(LaneOwner):
         self._buffering = buffering
         self.budget = BufferBudget(buffering.budget_bytes)
         # Replies relayed at the client's pace past the pool's share for them: the
-        # budget was spent, and a reply the worker already made is never dropped.
+        # budget was spent and no paced place freed in time (`_buffer_or_pace`).
         self.paced_over_share = 0
         # ... of which cut: their client took nothing of what was written for
         # `OVER_SHARE_SEND_S` (a connection held past the share is held briefly).
