@@ -158,8 +158,8 @@ class Forwarder(LaneOwner):
                 exchange, extra_headers, body, self.max_body_bytes, self.end_to_end
             )
             await self._send(exchange, first, whole)
-            # The body buffered whole went to the worker: its budget is free again.
-            self._give_back(exchange)
+            if exchange.reserved:  # a body buffered whole, now the worker's: budget free
+                self._give_back(exchange)
             return await self._relay(exchange, public_base, observer)
         finally:
             self._let_go(exchange)
@@ -335,7 +335,8 @@ class Forwarder(LaneOwner):
         """The forward is over: its connection dropped unless the relay gave it back, its
         paced place and its buffer bytes returned."""
         exchange.settle(clean=False)  # a no-op once the relay settled it
-        self._give_back(exchange)
+        if exchange.reserved:
+            self._give_back(exchange)
 
     async def _send(self, exchange: Exchange, first: bytes, whole: bool) -> None:
         """Writes the request (`first` and `whole`: see `router.relay.request.outgoing`) on a
