@@ -1,6 +1,7 @@
 """The demo worker with one route more, for the attacks: `GET /big?bytes=N` answers N bytes.
 
-The reply has a Content-Length and is written as fast as the router takes it, so a
+The reply has a Content-Length (`&chunked=1`: none, chunked, its length unknown to the
+router until it ends) and is written as fast as the router takes it, so a
 client that asks for it and never reads shows where the bytes wait: in the router's
 memory (the reply buffer), or in a worker connection held at the client's pace. Every
 other route is the demo worker's (`router.demo`): episodes are claimed over the control
@@ -30,10 +31,13 @@ CHUNK = 64 * 1024
 
 
 async def big(request: web.Request) -> web.StreamResponse:
-    """`bytes` bytes of `x`, framed by a Content-Length."""
+    """`bytes` bytes of `x`, framed by a Content-Length, or chunked with `chunked=1`."""
     size = min(int(request.query.get("bytes", "0")), MAX_BIG)
     response = web.StreamResponse()
-    response.content_length = size
+    if request.query.get("chunked") == "1":
+        response.enable_chunked_encoding()
+    else:
+        response.content_length = size
     await response.prepare(request)
     sent = 0
     while sent < size:

@@ -10,6 +10,8 @@ the attack runs, one phase after another, in one run:
 - non-readers, large: ATTACKERS clients each ask for a LARGE_REPLY-byte reply
   (`GET /big`, the one route `attacks/big_worker.py` adds to the demo worker) and never
   read a byte of it, with the smallest receive buffer;
+- non-readers, chunked: the same with a chunked reply of LARGE_REPLY bytes (no
+  Content-Length: the router cannot know its size until it ends);
 - non-readers, small: the same with a reply of SMALL_REPLY bytes.
 
 Before the pools were guarded, each of these held one of the worker's connections (256
@@ -55,7 +57,13 @@ if str(APP_DIR) not in sys.path:
 from e2e.conftest import LOOPBACK, Launcher, Router, free_port  # noqa: E402
 
 GATE_ENV = "EPISODE_ROUTER_ATTACK"
-PHASES = ("baseline", "slow uploads", "non-readers, large", "non-readers, small")
+PHASES = (
+    "baseline",
+    "slow uploads",
+    "non-readers, large",
+    "non-readers, chunked",
+    "non-readers, small",
+)
 ATTACKERS = 300  # past the pool of 256 a worker has by default
 PHASE_S = 8.0  # the steady client's calls per phase, at scale 1.0
 SLOW_BODY = 1 << 20  # what a slow upload announces
@@ -222,13 +230,17 @@ async def slow_upload(port: int, token: str, phase: Phase, stop: asyncio.Event) 
         writer.close()
 
 
-async def non_reader(port: int, token: str, size: int, phase: Phase, stop: asyncio.Event) -> None:
-    """Asks for a reply of `size` bytes and never reads it, until `stop`."""
+async def non_reader(
+    port: int, token: str, size: int, phase: Phase, stop: asyncio.Event, *, chunked: bool = False
+) -> None:
+    """Asks for a reply of `size` bytes (`chunked`: of unknown length) and never reads it,
+    until `stop`."""
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, CLIENT_RCVBUF)
     sock.setblocking(False)
-    ask = f"GET /big?bytes={size} HTTP/1.1\r\nHost: {LOOPBACK}\r\n{TOKEN_HEADER}: {token}\r\n\r\n"
+    target = f"/big?bytes={size}" + ("&chunked=1" if chunked else "")
+    ask = f"GET {target} HTTP/1.1\r\nHost: {LOOPBACK}\r\n{TOKEN_HEADER}: {token}\r\n\r\n"
     try:
         async with asyncio.timeout(SOCKET_TIMEOUT_S):
             await loop.sock_connect(sock, (LOOPBACK, port))
@@ -279,8 +291,9 @@ async def run_phase(attack: Attack, name: str) -> Phase:
         if name == "slow uploads":
             attacker = slow_upload(port, attack_token, phase, stop)
         else:
-            size = large_reply if name == "non-readers, large" else SMALL_REPLY
-            attacker = non_reader(port, attack_token, size, phase, stop)
+            size = SMALL_REPLY if name == "non-readers, small" else large_reply
+            chunked = name == "non-readers, chunked"
+            attacker = non_reader(port, attack_token, size, phase, stop, chunked=chunked)
         tasks.append(asyncio.create_task(attacker, name=f"attacker {index}"))
     if attackers:
         await asyncio.sleep(min(SETTLE_S, phase_s / 2))  # the attack is in place first

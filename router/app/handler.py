@@ -27,7 +27,7 @@ from router.app.exchange import (
 from router.core import Answer, Forward, RouterCore, Worker
 from router.edge import BodyBroken, PublicRequest, framing_problem
 from router.metrics import RouterMetrics
-from router.relay import Forwarder, UpstreamFailure
+from router.relay import Forwarder, UpstreamFailure, as_value
 from router.sessions import ReplyLearner, SessionReader, SessionRef, plan_learning
 
 log = logging.getLogger("episode_router.public")
@@ -325,7 +325,7 @@ class PublicHandler(ExchangeOwner):
         try:
             return await forward
         except UpstreamFailure as failure:
-            return failure
+            return as_value(failure)  # its frames dropped: they hold the request
         finally:
             worker.in_flight -= 1
 

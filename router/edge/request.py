@@ -137,8 +137,13 @@ class RequestBody:
             self._source.body_drained()
         try:
             while not self.complete:
-                if self._broken is not None:
-                    raise self._broken
+                broken = self._broken
+                if broken is not None:
+                    # A new exception, as in `readany`: the one kept would keep the
+                    # traceback, whose frames keep this body (a cycle).
+                    raise BodyBroken(
+                        broken.reason, malformed=broken.malformed, timed_out=broken.timed_out
+                    )
                 if self._buffered > limit:
                     return False
                 self._waiter = self._loop.create_future()
@@ -177,8 +182,13 @@ class RequestBody:
             waiter.set_result(None)
 
     def detach(self, source: BodySource) -> None:
-        """Its connection closed: `source` stands in for it (router.edge.server)."""
+        """Its connection closed: `source` stands in for it (router.edge.server), and the
+        bytes held and the failure kept are dropped, so a body kept in a reference cycle
+        holds none of them until the collector runs."""
         self._source = source
+        self._chunks = []
+        self._buffered = 0
+        self._broken = None
 
 
 class ClientLost:

@@ -18,8 +18,9 @@ from router.metrics.labels import NAMESPACE
 
 __all__ = ["BufferCollector", "BufferFigures"]
 
-# (bytes held now, budget refusals so far, replies paced past the share so far)
-BufferFigures = tuple[int, int, int]
+# (bytes held now, budget refusals so far, replies paced past the share so far, and of
+# those, cut for a client that took nothing)
+BufferFigures = tuple[int, int, int, int]
 
 
 class BufferCollector(Collector):
@@ -29,14 +30,14 @@ class BufferCollector(Collector):
         self._figures = figures
 
     def describe(self) -> Iterator[Metric]:
-        return _families((0, 0, 0))
+        return _families((0, 0, 0, 0))
 
     def collect(self) -> Iterator[Metric]:
         return _families(self._figures())
 
 
 def _families(figures: BufferFigures) -> Iterator[Metric]:
-    held, refused, over_share = figures
+    held, refused, over_share, over_share_cut = figures
     yield GaugeMetricFamily(
         f"{NAMESPACE}_buffered_bytes",
         "Request bodies and replies held in memory now (bounded by limits.buffer_budget_bytes).",
@@ -51,4 +52,9 @@ def _families(figures: BufferFigures) -> Iterator[Metric]:
         f"{NAMESPACE}_paced_over_share",
         "Replies relayed at a client's pace while the pool's share for them was full.",
         value=over_share,
+    )
+    yield CounterMetricFamily(
+        f"{NAMESPACE}_paced_over_share_cut",
+        "Replies past the pool's share cut because their client took nothing of them.",
+        value=over_share_cut,
     )

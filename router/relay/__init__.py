@@ -9,6 +9,7 @@ from router.relay.contract import (
     ForwardTimeouts,
     Upstream,
     UpstreamFailure,
+    as_value,
     end_to_end_headers,
 )
 from router.relay.forwarder import Forwarder
@@ -23,5 +24,6 @@ __all__ = [
     "LaneDone",
     "Upstream",
     "UpstreamFailure",
+    "as_value",
     "end_to_end_headers",
 ]

@@ -30,6 +30,7 @@ __all__ = [
     "ReplyObserver",
     "Upstream",
     "UpstreamFailure",
+    "as_value",
     "end_to_end_headers",
     "keeps_every_reply_header",
     "relayed_reply_headers",
@@ -180,6 +181,28 @@ class UpstreamFailure(Exception):
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.detail}"
+
+
+# Exceptions chained to a failure (its cause, their causes) whose tracebacks `as_value`
+# clears: the relay chains one at most; the bound keeps a looped chain finite.
+_MAX_CHAINED: Final = 8
+
+
+def as_value(failure: UpstreamFailure) -> UpstreamFailure:
+    """`failure`, caught to be handed on as a value: its traceback, and those of the
+    exceptions chained to it, dropped. Each holds the frames that raised it, which hold
+    the request (its head's bytes, its body) and the exception itself: a reference cycle
+    the collector alone would free, for every client that left mid-forward."""
+    chained: BaseException | None = failure
+    for _ in range(_MAX_CHAINED):
+        if chained is None:
+            break
+        chained.with_traceback(None)
+        context = chained.__context__
+        chained = chained.__cause__
+        if chained is None:
+            chained = context
+    return failure
 
 
 # --- header rules (pure) ------------------------------------------------------------------

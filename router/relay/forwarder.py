@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 from collections.abc import Coroutine
 from typing import Any, Final
 
@@ -80,8 +81,14 @@ class Forwarder(LaneOwner):
         self._buffering = buffering
         self.budget = BufferBudget(buffering.budget_bytes)
         # Replies relayed at the client's pace past the pool's share for them: the
-        # budget was spent, and a reply the worker already made is never dropped.
+        # budget was spent and no paced place freed in time (`_buffer_or_pace`).
         self.paced_over_share = 0
+        # ... of which cut: their client took nothing of what was written for
+        # `OVER_SHARE_SEND_S` (a connection held past the share is held briefly).
+        self.paced_over_share_cut = 0
+        # How long a client past the share may take nothing written to it (the tests
+        # shorten it).
+        self.over_share_send_s = OVER_SHARE_SEND_S
         self._pools: dict[str, WorkerPool] = {}
         self._closed = False
         # The loop, read once when the first pool opens: on Python 3.11 every
@@ -151,6 +158,8 @@ class Forwarder(LaneOwner):
                 exchange, extra_headers, body, self.max_body_bytes, self.end_to_end
             )
             await self._send(exchange, first, whole)
+            if exchange.reserved:  # a body buffered whole, now the worker's: budget free
+                self._give_back(exchange)
             return await self._relay(exchange, public_base, observer)
         finally:
             self._let_go(exchange)
@@ -280,22 +289,33 @@ class Forwarder(LaneOwner):
         """The whole body, read before any worker connection is taken, when it fits the
         body buffer and the budget: a slow upload then holds only its own bytes, and
         its silence is the body timeout's (408). None when it streams instead: too large
-        (by its Content-Length, or chunked and grown past the buffer: the part here
-        goes first), or the budget is spent. Raises UpstreamFailure (nothing was sent)."""
+        (by its Content-Length, or chunked and grown past the buffer), or the budget is
+        spent before it is all here; the part here goes first. Budget is reserved as the
+        bytes arrive (at most `_BODY_STEP` ahead of them), never for bytes only announced,
+        and given back when the body streams. Raises UpstreamFailure (nothing was sent)."""
         request = exchange.request
         stream = request.body
         assert stream is not None
         bound = self._buffering.body_bytes
         length = request.content_length
-        if length is None:
-            length = stream.received if stream.complete else bound
-        if length > bound or not self.budget.reserve(length):
+        if length is not None and length > bound:
             return None
-        exchange.reserved += length
-        if not stream.complete:
+        most = bound if length is None else length
+        held = 0
+        while True:
+            arrived = stream.received
+            if arrived > held:
+                more = min(arrived - held + _BODY_STEP, most - held)
+                if arrived > most or not self.budget.reserve(more):
+                    self._give_back(exchange)  # it streams: what is here goes out first
+                    return None
+                held += more
+                exchange.reserved += more
+            if stream.complete:
+                break
             try:
-                if not await stream.gather(length):
-                    return None  # chunked, past the buffer: it streams
+                # Returns at the end of the body, or once more than `held` is here.
+                await stream.gather(held)
             except BodyBroken as broken:
                 raise body_failure(broken, request_sent=False) from None
         body = request.read_now()
@@ -304,14 +324,19 @@ class Forwarder(LaneOwner):
             raise UpstreamFailure("too_large", "the request body is over the limit", False)
         return body
 
-    def _let_go(self, exchange: Exchange) -> None:
-        """The forward is over: its connection dropped unless the relay gave it back, its
-        paced place and its buffer bytes returned."""
-        exchange.settle(clean=False)  # a no-op once the relay settled it
+    def _give_back(self, exchange: Exchange) -> None:
+        """The budget `exchange` reserved goes back (its bytes stream, or are gone)."""
         reserved = exchange.reserved
         if reserved:
             exchange.reserved = 0
             self.budget.give_back(reserved)
+
+    def _let_go(self, exchange: Exchange) -> None:
+        """The forward is over: its connection dropped unless the relay gave it back, its
+        paced place and its buffer bytes returned."""
+        exchange.settle(clean=False)  # a no-op once the relay settled it
+        if exchange.reserved:
+            self._give_back(exchange)
 
     async def _send(self, exchange: Exchange, first: bytes, whole: bool) -> None:
         """Writes the request (`first` and `whole`: see `router.relay.request.outgoing`) on a
@@ -439,64 +464,86 @@ class Forwarder(LaneOwner):
             exchange.settle(clean=False)
             send_cut(request, (status, reason, headers), body, why, self._timeouts.stream_idle_s)
             return status
-        why = await self._buffer_or_pace(exchange, length)
-        if why is None:
+        how = await self._buffer_or_pace(exchange, length)
+        if how is None:
             status = send_whole(exchange, public_base)  # its connection is back in the pool
             await _client_took_it(request)  # its bytes stay reserved until then
             return status
-        if why is not _STREAMS:
+        if isinstance(how, str):  # why it broke off
             headers = client_headers(exchange, public_base)
             body = conn.take_body()
             exchange.settle(clean=False)
-            send_cut(request, (status, reason, headers), body, why, self._timeouts.stream_idle_s)
+            send_cut(request, (status, reason, headers), body, how, self._timeouts.stream_idle_s)
             return status
+        # What was read into memory goes out with the head: the budget is the streams' no
+        # more (a paced reply is bounded by the share, one past it by OVER_SHARE_SEND_S).
+        self._give_back(exchange)
+        over_share = how is Pacing.OVER_SHARE
+        send_s = self.over_share_send_s if over_share else None
         headers = client_headers(exchange, public_base)
         idle_s = self._timeouts.stream_idle_s
-        why = await stream_reply(request, (status, reason, headers), conn, idle_s)
-        if why is None:
+        why_cut = await stream_reply(request, (status, reason, headers), conn, idle_s, send_s)
+        if why_cut is None:
             exchange.settle(clean=True)
             request.client.reply_end()
         else:
             exchange.settle(clean=False)
-            log.info("reply to %s %s aborted: %s", request.method, request.path, why)
+            if over_share and why_cut != CLIENT_GONE:
+                self.paced_over_share_cut += 1
+            log.info("reply to %s %s aborted: %s", request.method, request.path, why_cut)
             request.client.reply_abort(idle_s)
         return status
 
-    async def _buffer_or_pace(self, exchange: Exchange, length: int | None) -> str | None:
+    async def _buffer_or_pace(self, exchange: Exchange, length: int | None) -> str | Pacing | None:
         """How a reply too large to go in one write is relayed: None once it is read
-        whole into memory (its Content-Length fits the reply buffer and the budget),
-        `_STREAMS` to relay it at the client's pace, else why it broke off.
+        whole into memory, a `Pacing` to relay it at the client's pace, else why it
+        broke off.
 
         An event stream streams, and takes no paced place (it is per session and must
-        flush at once). A reply of unknown length streams too (its head goes out at
-        once), in one of the pool's paced places. A reply larger than the buffer takes a
-        paced place; none free, it is read whole all the same as far as the budget goes.
-        A reply that streams with no paced place free is counted (`paced_over_share`):
-        a reply the worker made is never dropped for the router's crowding."""
+        flush at once). A reply whose Content-Length fits the reply buffer is read whole
+        as far as the budget goes. Any other reply (larger, or of unknown length) takes
+        one of the pool's paced places; none free, it is read whole all the same, what
+        its framing, as far as the budget goes. Past the budget too, the exchange waits
+        up to `timeouts.connect_s` for a paced place, reading no more of the reply; none
+        freed, it streams past the share (`paced_over_share`), and its client must take
+        what is written within `OVER_SHARE_SEND_S` or the reply is cut: a reply the
+        worker made reaches a client that reads, and a client that reads nothing holds a
+        connection past the share for seconds, not for as long as it likes."""
         conn = exchange.conn
         assert conn is not None
         if _is_event_stream(conn.reply.raw_headers):
-            return _STREAMS
+            return Pacing.STREAMS
         bound = self._buffering.reply_bytes
         if length is not None and length <= bound:
             why = await self._read_whole(exchange, length, length)
-            if why is not _STREAMS:
+            if why is not Pacing.STREAMS:
                 return why
         if exchange.paced or exchange.pool.take_paced():
             exchange.paced = True
-            return _STREAMS
-        if length is not None and length > bound:
-            why = await self._read_whole(exchange, None, max(bound, _READ_STEP))
-            if why is not _STREAMS:
-                return why
+            return Pacing.STREAMS
+        why = await self._read_whole(exchange, None, max(bound, _READ_STEP))
+        if why is not Pacing.STREAMS:
+            return why
+        loop = self._loop
+        assert loop is not None
+        placed = await exchange.pool.wait_paced(loop.time() + self._timeouts.connect_s)
+        if placed:
+            exchange.paced = True
+        if exchange.request.client.client_gone:
+            raise UpstreamFailure("client_left", CLIENT_GONE, request_sent=True)
+        if placed:
+            return Pacing.STREAMS
         self.paced_over_share += 1
-        return _STREAMS
+        return Pacing.OVER_SHARE
 
-    async def _read_whole(self, exchange: Exchange, most: int | None, step: int) -> str | None:
+    async def _read_whole(
+        self, exchange: Exchange, most: int | None, step: int
+    ) -> str | Pacing | None:
         """Reads the reply to its end into memory, reserving budget `step` bytes at a
-        time and reading no further than reserved: None at its end, `_STREAMS` once it
-        passes `most` bytes (None: no bound but the budget) or the budget is spent, else
-        why it broke off. Raises UpstreamFailure (client_left) when the client leaves."""
+        time (never past its Content-Length) and reading no further than reserved: None
+        at its end, `Pacing.STREAMS` once it passes `most` bytes (None: no bound but the
+        budget) or the budget is spent, else why it broke off. Raises UpstreamFailure
+        (client_left) when the client leaves."""
         conn = exchange.conn
         assert conn is not None
         reply = conn.reply
@@ -504,7 +551,8 @@ class Forwarder(LaneOwner):
         idle_s = self._timeouts.stream_idle_s
         loop = self._loop
         assert loop is not None
-        held = 0
+        length = reply.content_length
+        held = exchange.reserved  # reply bytes reserved by an earlier read (the body's went back)
         try:
             while not reply.complete:
                 if reply.broken is not None:
@@ -512,12 +560,14 @@ class Forwarder(LaneOwner):
                 if request.client.client_gone:
                     raise UpstreamFailure("client_left", CLIENT_GONE, request_sent=True)
                 if most is not None and reply.buffered > most:
-                    return _STREAMS
+                    return Pacing.STREAMS
                 if reply.buffered >= held:
                     # Past what is held by a step: reading (paused at `held`) goes on.
                     more = reply.buffered - held + step
+                    if length is not None:
+                        more = min(more, length - held)  # no budget for bytes never sent
                     if not self.budget.reserve(more):
-                        return _STREAMS
+                        return Pacing.STREAMS
                     held += more
                     exchange.reserved += more
                     conn.read_up_to(held)
@@ -565,10 +615,24 @@ class Forwarder(LaneOwner):
             observer.body(reply.peek_body())
 
 
-# What `_buffer_or_pace` returns for a reply relayed at the client's pace (compared by
-# identity: a reason for a broken reply is never this object).
-_STREAMS: Final = "relayed at the client's pace"
+class Pacing(enum.Enum):
+    """How a reply is relayed at its client's pace (`_buffer_or_pace`); a reason for a
+    broken reply is a `str`, never one of these."""
+
+    STREAMS = "in a paced place (or an event stream, which takes none)"
+    OVER_SHARE = "past the pool's share for paced replies: bounded by OVER_SHARE_SEND_S"
+
+
+# A reply streamed past the pool's share is cut when its client takes nothing written to
+# it for this long (nginx's send_timeout, shortened): a client reading a few KiB a
+# second keeps it; one that reads nothing holds a connection outside the share for
+# seconds, not for the edge's idle_timeout_s.
+OVER_SHARE_SEND_S: Final = 5.0
 _EVENT_STREAM: Final = b"text/event-stream"
+# A body buffered before its worker connection is taken reserves budget this much ahead
+# of the bytes here: about one reservation a read, and never more held than arrived but
+# one step (a head that announces 1 MiB and sends nothing holds nothing).
+_BODY_STEP: Final = 64 * 1024
 # A reply read whole past the reply buffer reserves budget this much at a time.
 _READ_STEP: Final = 1024 * 1024
 

@@ -58,6 +58,7 @@ class WorkerPool(ConnectionOwner):
         "_connections",
         "_idle",
         "_loop",
+        "_paced_waiters",
         "_sweeper",
         "_taken",
         "_time",
@@ -98,6 +99,8 @@ class WorkerPool(ConnectionOwner):
         self._idle: list[WorkerConnection] = []
         self._time = loop.time  # kept bound, as the connections' transport methods
         self._waiters: deque[asyncio.Future[WorkerConnection | None]] = deque()
+        # Exchanges waiting for a paced place (`wait_paced`): True, handed one; False, not.
+        self._paced_waiters: deque[asyncio.Future[bool]] = deque()
         self._sweeper: asyncio.TimerHandle | None = None
 
     async def acquire(self, deadline: float) -> WorkerConnection:
@@ -125,8 +128,35 @@ class WorkerPool(ConnectionOwner):
         return True
 
     def give_paced(self) -> None:
-        """An exchange counted by `take_paced` let go of its connection."""
+        """An exchange counted by `take_paced` let go of its connection: its place goes
+        straight to the first exchange waiting for one (`wait_paced`), if any."""
+        waiters = self._paced_waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(True)  # the place is handed on: still counted
+                return
         self.paced -= 1
+
+    async def wait_paced(self, deadline: float) -> bool:
+        """`take_paced`, waiting until `deadline` (loop time) for a place to free; False
+        (nothing counted) when none did. A place freed goes to the first in line."""
+        if self.take_paced():
+            return True
+        loop = self._loop
+        waiter: asyncio.Future[bool] = loop.create_future()
+        self._paced_waiters.append(waiter)
+        timer = loop.call_at(deadline, _no_paced_place, waiter)
+        try:
+            return await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled() and waiter.result():
+                self.give_paced()  # handed a place as it gave up: the next one's
+            raise
+        finally:
+            timer.cancel()
+            if waiter in self._paced_waiters:  # timed out, or given up: out of the line
+                self._paced_waiters.remove(waiter)
 
     def take_idle(self) -> WorkerConnection | None:
         """The warmest usable idle connection, at once; None when there is none (the
@@ -214,6 +244,11 @@ class WorkerPool(ConnectionOwner):
             waiter = waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(PoolClosed())
+        paced_waiters = self._paced_waiters
+        while paced_waiters:
+            paced_waiter = paced_waiters.popleft()
+            if not paced_waiter.done():
+                paced_waiter.set_result(False)
         for conn in list(self._connections):
             conn.close()
         self._idle.clear()
@@ -323,6 +358,11 @@ class WorkerPool(ConnectionOwner):
             conn.close()
         if idle:
             self._sweeper = self._loop.call_at(idle[0].released_at + KEEPALIVE_S, self._sweep)
+
+
+def _no_paced_place(waiter: asyncio.Future[bool]) -> None:
+    if not waiter.done():
+        waiter.set_result(False)
 
 
 def _expire(waiter: asyncio.Future[WorkerConnection | None]) -> None:

@@ -39,9 +39,17 @@ def send_cut(request: PublicRequest, head: ReplyHead, body: bytes, why: str, idl
 
 
 async def stream_reply(
-    request: PublicRequest, head: ReplyHead, conn: WorkerConnection, idle_s: float
+    request: PublicRequest,
+    head: ReplyHead,
+    conn: WorkerConnection,
+    idle_s: float,
+    send_s: float | None = None,
 ) -> str | None:
     """Sends the head with the body bytes already read, then each chunk as it arrives.
+
+    `send_s`: when set, the client must take what was written to it (its connection
+    drained) within that many seconds each time, or the reply stops (a reply streamed
+    past the pool's share: `router.relay.forwarder`).
 
     Returns None once the worker's reply ended cleanly (the caller then settles the worker
     connection and writes the end), else why it stopped; the client connection is left
@@ -54,11 +62,29 @@ async def stream_reply(
     client.reply_start(request, status, reason, headers, conn.take_body())
     if client.client_gone:
         return CLIENT_GONE
+    if send_s is not None:
+        why = await _taken_within(request, send_s)
+        if why is not None:
+            return why
     # The relay set request.on_client_lost to wake `conn` when it sent the request.
-    return await _copy_body(request, conn, idle_s)
+    return await _copy_body(request, conn, idle_s, send_s)
 
 
-async def _copy_body(request: PublicRequest, conn: WorkerConnection, idle_s: float) -> str | None:
+async def _taken_within(request: PublicRequest, send_s: float) -> str | None:
+    """None once the client took what was written to it, within `send_s`; else why not."""
+    try:
+        async with asyncio.timeout(send_s):
+            await request.client.drain()
+    except ConnectionError:
+        return CLIENT_GONE
+    except TimeoutError:
+        return f"the client took nothing for {send_s:g} s of a reply past the pool's share"
+    return None
+
+
+async def _copy_body(
+    request: PublicRequest, conn: WorkerConnection, idle_s: float, send_s: float | None
+) -> str | None:
     """Copies chunks as they arrive; None at a clean end, else why it stopped."""
     reply = conn.reply
     client = request.client
@@ -84,6 +110,12 @@ async def _copy_body(request: PublicRequest, conn: WorkerConnection, idle_s: flo
                 # Written as it arrives, never held back: SSE events go out at once
                 # (what arrived together goes out together).
                 client.reply_write(conn.take_body())
+                if send_s is not None:
+                    # Its own timeout, caught inside: the idle one is unset (None) here.
+                    why = await _taken_within(request, send_s)
+                    if why is not None:
+                        return why
+                    continue
                 try:
                     await client.drain()
                 except ConnectionError:

@@ -111,9 +111,11 @@ class RouterService:
         self.public_port = 0
         self.admin_port = 0
 
-    def _buffer_figures(self) -> tuple[int, int, int]:
+    def _buffer_figures(self) -> tuple[int, int, int, int]:
         forwarder = self.forwarder
-        return forwarder.budget.held, forwarder.budget.refused, forwarder.paced_over_share
+        budget = forwarder.budget
+        cut = forwarder.paced_over_share_cut
+        return budget.held, budget.refused, forwarder.paced_over_share, cut
 
     def _build_metrics(self) -> RouterMetrics:
         core = self.core

@@ -24,7 +24,7 @@ import pytest
 from router.config import LimitsConfig, TimeoutsConfig
 from router.relay import BufferLimits
 from router.service.router_service import RouterService
-from tests.app.test_faults import ScriptedWorker, request_bytes
+from tests.app.test_faults import OK_REPLY, ScriptedWorker, request_bytes
 from tests.metrics.test_registry import scrape, series
 from tests.router_fixtures import TOKEN_HEADER, RawHttp, Rig, open_rig, router_config, token
 
@@ -426,3 +426,204 @@ async def test_a_sessionless_request_that_finds_its_worker_busy_goes_to_another(
 
     assert (reply.status, reply.worker) == (200, "w1")
     assert upstream_failures(router) == {}
+
+
+async def test_a_body_announced_and_not_sent_reserves_no_budget(rig: Rig, tmp_path: Path) -> None:
+    # Budget is reserved as body bytes arrive, never by the announced length: heads that
+    # announce the whole buffer and send 10 bytes hold one step each, not the buffer.
+    router = await start(rig, tmp_path, buffer_budget_bytes=4 << 20)
+    worker = await ScriptedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    head = request_bytes("POST", "/upload", episode_headers(1 << 20)) + b"a" * 10
+    announcers = await open_clients(router, 8, head)  # 8 MiB announced, 80 bytes sent
+    try:
+        await asyncio.sleep(0.3)
+        held = router.forwarder.budget.held
+        refused = router.forwarder.budget.refused
+        upload = request_bytes("POST", "/upload", episode_headers(), b"b" * 300_000)
+        conn = await RawHttp.open(router.public_port)
+        try:
+            conn.send(upload)
+            status, _, _ = await conn.read_reply()
+        finally:
+            conn.close()
+    finally:
+        for client in announcers:
+            client.close()
+
+    assert held <= 8 * 128 * 1024, held  # a step ahead of the bytes each, at most
+    assert refused == 0
+    assert status == 200
+    assert router.forwarder.budget.refused == 0  # the real upload was buffered whole
+    assert worker.connections == 1  # and the announcers took no worker connection
+
+
+CHUNKED_SIZE = 6_000_000  # past the kernel's socket buffers on loopback: it stays in the router
+
+
+class ChunkedWorker(ScriptedWorker):
+    """Answers `/big` with a chunked reply of CHUNKED_SIZE bytes (no Content-Length), and
+    anything else with a small one."""
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        piece = b"%x\r\n" % 65536 + b"x" * 65536 + b"\r\n"
+        tail = CHUNKED_SIZE % 65536
+        last = b"%x\r\n" % tail + b"x" * tail + b"\r\n0\r\n\r\n"
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if not head.startswith(b"GET /big "):
+                    writer.write(OK_REPLY)
+                    await writer.drain()
+                    continue
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                for _ in range(CHUNKED_SIZE // 65536):
+                    writer.write(piece)
+                    await writer.drain()
+                writer.write(last)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+async def test_chunked_replies_past_the_share_are_read_into_memory(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # A reply of unknown length past the paced share tries the budget as a Content-Length
+    # one does: the non-readers past the share hold bytes, not the worker's connections.
+    router = await start(rig, tmp_path)
+    worker = await ChunkedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    ask = request_bytes("GET", "/big", episode_headers())
+    idle = await open_non_readers(router, 2 * POOL, ask)
+    try:
+        await asyncio.sleep(1.0)
+        results = [await steady_call(router) for _ in range(3)]
+        held = router.forwarder.budget.held
+    finally:
+        for sock in idle:
+            sock.close()
+
+    assert [status for status, _ in results] == [200] * 3
+    assert max(took for _, took in results) < 2.0, results
+    assert held >= (2 * POOL - POOL // 2) * CHUNKED_SIZE // 2  # the ones past the share
+    assert router.forwarder.paced_over_share == 0
+    assert upstream_failures(router) == {}
+
+
+async def test_past_the_share_and_the_budget_a_client_that_reads_nothing_is_cut(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # No budget: the non-readers past the share wait connect_s for a paced place, then
+    # stream past it, and are cut once they take nothing for over_share_send_s: their
+    # connections come back, and the steady client gets its 200 from a free pool.
+    router = await start(rig, tmp_path, reply_buffer_bytes=1024, buffer_budget_bytes=0)
+    router.forwarder.over_share_send_s = 0.5
+    worker = await ChunkedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    ask = request_bytes("GET", "/big", episode_headers())
+    idle = await open_non_readers(router, POOL, ask)  # 2 in the share, 2 past it
+    try:
+        for _ in range(200):  # 4 s at most
+            if router.forwarder.paced_over_share_cut == POOL - POOL // 2:
+                break
+            await asyncio.sleep(0.02)
+        cut = router.forwarder.paced_over_share_cut
+        results = [await steady_call(router) for _ in range(3)]
+    finally:
+        for sock in idle:
+            sock.close()
+
+    assert (router.forwarder.paced_over_share, cut) == (POOL - POOL // 2, POOL - POOL // 2)
+    assert [status for status, _ in results] == [200] * 3
+    shown = series(scrape(router.metrics), "episode_router_paced_over_share_cut_total")
+    assert shown == {"": POOL - POOL // 2}
+    assert upstream_failures(router) == {}
+
+
+async def test_past_the_share_and_the_budget_a_client_that_reads_gets_the_whole_reply(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path, reply_buffer_bytes=1024, buffer_budget_bytes=0)
+    router.forwarder.over_share_send_s = 0.5
+    worker = await ChunkedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    ask = request_bytes("GET", "/big", episode_headers())
+    idle = await open_non_readers(router, POOL // 2, ask)  # the share, taken
+    conn = await RawHttp.open(router.public_port)
+    try:
+        for _ in range(100):  # 2 s at most
+            if router.forwarder._pools["w0"].paced == POOL // 2:
+                break
+            await asyncio.sleep(0.02)
+        conn.send(request_bytes("GET", "/big", [*episode_headers(), ("Connection", "close")]))
+        everything = await conn.read_to_end()
+    finally:
+        conn.close()
+        for sock in idle:
+            sock.close()
+
+    head, body = everything.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert body.count(b"x") == CHUNKED_SIZE  # all of it, though past the share
+    assert body.endswith(b"0\r\n\r\n")  # and cleanly ended
+    assert router.forwarder.paced_over_share == 1
+    assert router.forwarder.paced_over_share_cut == 0
+
+
+async def test_a_body_that_switches_to_streaming_gives_its_budget_back(
+    rig: Rig, tmp_path: Path
+) -> None:
+    router = await start(rig, tmp_path, body_buffer_bytes=1024)
+    worker = await ScriptedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    headers = [*episode_headers(), ("Transfer-Encoding", "chunked")]
+    conn = await RawHttp.open(router.public_port)
+    try:
+        conn.send(request_bytes("POST", "/upload", headers))
+        conn.send(b"%x\r\n%b\r\n" % (500, b"a" * 500))  # buffered: budget reserved
+        await asyncio.sleep(0.1)
+        reserved_while_buffered = router.forwarder.budget.held
+        conn.send(b"%x\r\n%b\r\n" % (2000, b"a" * 2000))  # past the buffer: it streams
+        for _ in range(100):  # 2 s at most
+            if worker.connections:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+        held_while_streaming = router.forwarder.budget.held
+        conn.send(b"0\r\n\r\n")
+        status, _, _ = await conn.read_reply()
+    finally:
+        conn.close()
+
+    assert 500 <= reserved_while_buffered <= 1024  # the bytes here, at most the buffer
+    assert (worker.connections, held_while_streaming, status) == (1, 0, 200)
+
+
+async def test_a_reply_that_switches_to_streaming_gives_its_budget_back(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # Past the share, the third reply is read into a 3 MiB budget that cannot hold it,
+    # then streams past the share: what it reserved goes back as it does.
+    router = await start(rig, tmp_path, reply_buffer_bytes=1024, buffer_budget_bytes=3 << 20)
+    worker = await ChunkedWorker("w0").start(rig)
+    await worker.claim("ep-a0")
+    ask = request_bytes("GET", "/big", episode_headers())
+    idle = await open_non_readers(router, POOL // 2 + 1, ask)
+    try:
+        for _ in range(200):  # 4 s at most
+            if router.forwarder.paced_over_share:
+                break
+            await asyncio.sleep(0.02)
+        over = router.forwarder.paced_over_share
+        held = router.forwarder.budget.held
+        refused = router.forwarder.budget.refused
+    finally:
+        for sock in idle:
+            sock.close()
+
+    assert (over, held) == (1, 0)
+    assert refused >= 1  # it did try the budget first

@@ -16,6 +16,7 @@ import pytest
 from router.core.answers import Answer
 from router.edge.request import PublicRequest
 from router.edge.server import EdgeLimits, EdgeServer
+from router.relay.contract import as_value
 from router.relay.forwarder import Forwarder, ForwardTimeouts, Upstream, UpstreamFailure
 
 pytestmark = pytest.mark.timeout(30)
@@ -480,3 +481,22 @@ async def test_a_waiting_request_handed_a_connection_the_worker_closed_goes_on_a
         b"POST /b HTTP/1.1",
     ]
     assert worker.connections == 2
+
+
+def test_a_failure_made_a_value_holds_no_frames_nor_its_causes() -> None:
+    def connect() -> None:
+        raise ConnectionRefusedError("refused")
+
+    def forward() -> None:
+        try:
+            connect()
+        except OSError as exc:
+            raise UpstreamFailure("refused", "connect refused", request_sent=False) from exc
+
+    try:
+        forward()
+    except UpstreamFailure as caught:
+        failure = as_value(caught)
+    assert failure.__traceback__ is None
+    assert failure.__cause__ is not None and failure.__cause__.__traceback__ is None
+    assert failure.kind == "refused"  # the value itself is untouched

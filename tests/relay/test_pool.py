@@ -318,3 +318,45 @@ async def test_places_held_at_a_clients_pace_stop_at_their_share(worker: Worker)
     pool.give_paced()
     assert (pool.take_paced(), pool.paced) == (True, 2)
     pool.close()
+
+
+async def test_a_paced_place_given_back_goes_to_the_first_waiting_for_one(
+    worker: Worker,
+) -> None:
+    loop = asyncio.get_running_loop()
+    pool = WorkerPool(worker.url, parse_worker_address(worker.url), 4, loop, paced_share=0.5)
+    assert pool.take_paced() and pool.take_paced()
+    first = asyncio.ensure_future(pool.wait_paced(soon(2.0)))
+    second = asyncio.ensure_future(pool.wait_paced(soon(2.0)))
+    await asyncio.sleep(0)
+    pool.give_paced()
+    assert await first is True
+    assert not second.done() and pool.paced == 2  # handed on, still counted
+    pool.close()
+    assert await second is False  # the pool closed: no place will come
+
+
+async def test_waiting_for_a_paced_place_is_bounded(worker: Worker) -> None:
+    loop = asyncio.get_running_loop()
+    pool = WorkerPool(worker.url, parse_worker_address(worker.url), 2, loop, paced_share=0.5)
+    assert pool.take_paced()
+    started = loop.time()
+    assert await pool.wait_paced(soon(0.2)) is False
+    assert 0.15 <= loop.time() - started < 2.0
+    pool.give_paced()
+    assert pool.paced == 0  # nobody waits: the place is free again
+    pool.close()
+
+
+async def test_a_waiter_handed_a_paced_place_as_it_gives_up_hands_it_on(worker: Worker) -> None:
+    loop = asyncio.get_running_loop()
+    pool = WorkerPool(worker.url, parse_worker_address(worker.url), 2, loop, paced_share=0.5)
+    assert pool.take_paced()
+    leaving = asyncio.ensure_future(pool.wait_paced(soon(2.0)))
+    staying = asyncio.ensure_future(pool.wait_paced(soon(2.0)))
+    await asyncio.sleep(0)
+    pool.give_paced()  # to `leaving`, cancelled before it runs
+    leaving.cancel()
+    assert await staying is True
+    assert pool.paced == 1
+    pool.close()
