@@ -219,6 +219,24 @@ class ClockedConnection(RequestClient):
             return
         self._close()
 
+    def _release_head(self) -> None:
+        """The unfinished head's bytes are held no more (router.edge.parsing counts them,
+        router.edge.server in its budget too): called wherever reading stops for good."""
+
+    def _held_changed(self, size: int) -> None:
+        """`size` more (or, negative, fewer) bytes read ahead and held by this connection:
+        kept unparsed, or queued behind the request handled (router.edge.server counts
+        them in its budget)."""
+
+    def _drop_unparsed(self) -> bytes | None:
+        """The rest of a read kept unparsed, taken (to be parsed, or never) and held no
+        more."""
+        unparsed = self._unparsed
+        if unparsed is not None:
+            self._unparsed = None
+            self._held_changed(-len(unparsed))
+        return unparsed
+
     def _head_late(self) -> None:
         """A request head did not arrive whole within its time."""
         log.debug("closed a connection whose request head did not arrive in time")
@@ -236,6 +254,7 @@ class ClockedConnection(RequestClient):
         the client still sends for a while: closing with unread bytes would reset the
         connection, and the client could lose the answer."""
         self._stopped = True
+        self._release_head()
         transport = self.transport
         if transport is None or self._lost:
             return
@@ -245,7 +264,7 @@ class ClockedConnection(RequestClient):
         transport.write_eof()  # the answer is all the client gets; it may stop sending
         self._set_deadline(self._time() + LINGER_S, LINGER_DEADLINE)
         self._pipeline_full = self._body_backlog = False
-        self._unparsed = None  # never parsed now
+        self._drop_unparsed()  # never parsed now
         self._update_reading()
 
     def _discard(self, size: int) -> None:
@@ -258,6 +277,7 @@ class ClockedConnection(RequestClient):
 
     def _close(self) -> None:
         self._stopped = True
+        self._release_head()
         transport = self.transport
         if transport is not None and not transport.is_closing():
             transport.close()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Final, cast
 
@@ -67,9 +68,18 @@ class EdgeServer:
         self.time = loop.time  # kept bound for the connections (see router.edge.parsing)
         self.connections: set[EdgeConnection] = set()
         self.closing = False
-        # The bytes the unfinished heads of all connections hold, counted per read
-        # (EdgeConnection._hold_head), bounded by limits.max_held_head_bytes.
+        # The bytes the heads of all connections hold, counted per read, bounded by
+        # limits.max_held_head_bytes: unfinished heads (EdgeConnection._hold_head), and
+        # what was read while requests queued behind a slow one or kept unparsed
+        # (_held_changed).
         self.head_bytes_held = 0
+        # The connections holding an unfinished head that spanned reads: the largest
+        # is found among these, not among all connections.
+        self.holding_heads: set[EdgeConnection] = set()
+        # The idle keep-alive connections, the longest idle first (moved to the end as
+        # one goes idle; one that stopped being idle is dropped as it is met):
+        # an OrderedDict, whose first entry is found in O(1) however many were popped.
+        self.idle: OrderedDict[EdgeConnection, None] = OrderedDict()
         # Counted for the metrics (read at scrape time): connections accepted and closed
         # at once at the connection limit, idle keep-alive connections closed to make
         # room for a new one, and heads refused because all of them together held too
@@ -108,35 +118,33 @@ class EdgeServer:
 
     def _close_longest_idle(self) -> bool:
         """At the connection limit: closes the keep-alive connection idle the longest
-        (its client loses nothing: it connects again), if there is one. A scan of all
-        connections, only at the limit."""
-        longest: EdgeConnection | None = None
-        longest_until = 0.0
-        for conn in self.connections:
-            until = conn.idle_until
-            if until is not None and (longest is None or until < longest_until):
-                longest, longest_until = conn, until
-        if longest is None:
-            return False
-        self.idle_closed_for_room += 1
-        longest.close_idle()
-        return True
+        (its client loses nothing: it connects again), if there is one. O(1) amortized:
+        each entry met that is no longer idle was put there by one idle transition."""
+        idle = self.idle
+        while idle:
+            conn, _ = idle.popitem(last=False)
+            if conn.idle_until is not None:
+                self.idle_closed_for_room += 1
+                conn.close_idle()
+                return True
+        return False
 
     def refuse_largest_head(self) -> None:
         """The unfinished heads together hold more than limits.max_held_head_bytes: the
         connection holding the largest is refused (431 and closed), the likeliest to be
-        hostile, rather than the one whose read came last. A scan, only over the budget."""
+        hostile, rather than the one whose read came last. A scan of the connections
+        holding such a head only, over the budget only; one stopped reading holds none
+        (its bytes were let go as it stopped), and only a refusal made is counted."""
         largest: EdgeConnection | None = None
-        for conn in self.connections:
-            if largest is None or conn.head_bytes > largest.head_bytes:
+        for conn in self.holding_heads:
+            if conn.head_bytes and (largest is None or conn.head_bytes > largest.head_bytes):
                 largest = conn
-        if largest is not None and largest.head_bytes:
+        if largest is not None and largest.refuse_head(HeadRefusal.HEADS_OVER_BUDGET):
             self.heads_over_budget += 1
             self._warn(
                 "request heads refused at limits.max_held_head_bytes",
                 self.limits.max_held_head_bytes,
             )
-            largest.refuse_head(HeadRefusal.HEADS_OVER_BUDGET)
 
     def set_limits(self, limits: EdgeLimits) -> None:
         """Limits for the connections accepted from now on (a config reload)."""
@@ -157,6 +165,7 @@ class EdgeServer:
     def forget(self, conn: EdgeConnection) -> None:
         """A connection closed."""
         self.connections.discard(conn)
+        self.idle.pop(conn, None)
         if self.closing and not self.connections:
             self._all_closed.set()
 
@@ -201,6 +210,7 @@ class EdgeConnection(ParsingConnection):
             return
         if self._unparsed is not None:
             self._unparsed += data  # came with the pause; parsed after what was kept
+            self._held_changed(len(data))
             return
         if len(data) > PARSE_SLICE_BYTES:
             self._receive_in_slices(data)
@@ -222,6 +232,7 @@ class EdgeConnection(ParsingConnection):
                 return
             if self._pipeline_full:
                 self._unparsed = data[start:]
+                self._held_changed(size - start)
                 self._update_reading()
                 return
             self._receive(bytes(view[start : start + PARSE_SLICE_BYTES]))
@@ -265,29 +276,53 @@ class EdgeConnection(ParsingConnection):
     def _hold_head(self, size: int) -> None:
         """`size` more bytes of an unfinished head, counted for it and for all heads: a
         head over max_head_bytes is refused; all of them over max_held_head_bytes, the
-        largest one is. A read that also ended earlier requests counts whole, so a head
+        largest one is (a read that is also pipelined counts in both, as it is held for
+        both reasons). A read that also ended earlier requests counts whole, so a head
         is refused within one read (PARSE_SLICE_BYTES) of the bound."""
         self._head_bytes += size
         server = self._server
         server.head_bytes_held += size
+        server.holding_heads.add(self)
         if self._head_bytes > self._limits.max_head_bytes:
             self._parse_failed(HeadRefusal.HEAD_TOO_LARGE, "")
-        elif server.head_bytes_held > server.limits.max_held_head_bytes:
+        elif server.head_bytes_held > server.limits.max_held_head_bytes and len(self._queue) <= 1:
+            # (With requests queued before it, this read is pipelined too: past the
+            # budget, _hold_pipelined stops reading this connection, not refuses a head.)
             server.refuse_largest_head()
 
     def _release_head(self) -> None:
-        self._server.head_bytes_held -= self._head_bytes
-        self._head_bytes = 0
+        if self._head_bytes:
+            server = self._server
+            server.head_bytes_held -= self._head_bytes
+            server.holding_heads.discard(self)
+            self._head_bytes = 0
+
+    def _held_changed(self, size: int) -> None:
+        self._server.head_bytes_held += size
+
+    def _over_budget(self) -> bool:
+        server = self._server
+        return server.head_bytes_held > server.limits.max_held_head_bytes
+
+    def _went_idle(self) -> None:
+        # Two dict operations per idle transition: the longest idle is then found in
+        # O(1) at the connection limit (_close_longest_idle).
+        idle = self._server.idle
+        idle[self] = None
+        idle.move_to_end(self)
 
     @property
     def head_bytes(self) -> int:
         """The bytes of the reads that carried this connection's unfinished head."""
         return self._head_bytes
 
-    def refuse_head(self, kind: HeadRefusal) -> None:
-        """Refuses the unfinished head (431 and closed: EdgeServer.refuse_largest_head)."""
-        if not self._stopped:
-            self._parse_failed(kind, "")
+    def refuse_head(self, kind: HeadRefusal) -> bool:
+        """Refuses the unfinished head (431 and closed: EdgeServer.refuse_largest_head);
+        False if the connection had stopped reading already (nothing refused)."""
+        if self._stopped:
+            return False
+        self._parse_failed(kind, "")
+        return True
 
     @property
     def idle_until(self) -> float | None:
@@ -311,8 +346,7 @@ class EdgeConnection(ParsingConnection):
     def connection_lost(self, exc: BaseException | None) -> None:
         self._lost = True
         self._stopped = True
-        if self._head_bytes:
-            self._release_head()
+        self._release_head()
         self._server.forget(self)
         self._set_deadline(None, 0)
         timer = self._timer
@@ -346,7 +380,9 @@ class EdgeConnection(ParsingConnection):
         for request in queue[1 if self._busy else 0 :]:
             detach(request)  # parsed, never handed on: nothing else names them
         del queue[1 if self._busy else 0 :]
-        self._unparsed = None
+        self._drop_unparsed()
+        if self._pipelined_bytes:
+            self._release_pipelined()
         self._parser = _SPENT_PARSER
         self._feed_data = _SPENT_PARSER.feed_data
         self._keeps_alive = _SPENT_PARSER.should_keep_alive

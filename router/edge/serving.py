@@ -151,6 +151,10 @@ class ServingConnection(ClockedConnection):
             self._close()  # (stopped: whatever head began will never be read)
         elif not head_begun:
             self._set_deadline(self._time() + self._limits.idle_timeout_s, IDLE_DEADLINE)
+            self._went_idle()
+
+    def _went_idle(self) -> None:
+        """The connection is idle, kept alive (router.edge.server orders the idle ones)."""
 
     async def _run_handler(self, request: PublicRequest, pending: Awaitable[None]) -> None:
         try:
@@ -184,11 +188,12 @@ class ServingConnection(ClockedConnection):
             self.abort()
             return
         if self._pipelined_bytes and len(queue) <= 1:
-            self._pipelined_bytes = 0  # what queued behind the request is all handled
+            self._release_pipelined()  # what queued behind the request is all handled
         if (
             self._pipeline_full
             and len(queue) <= MAX_PIPELINED
             and self._pipelined_bytes <= MAX_PIPELINED_BYTES
+            and not (self._pipelined_bytes and self._over_budget())
         ):
             self._pipeline_full = False
             if self._unparsed is not None:
@@ -205,13 +210,26 @@ class ServingConnection(ClockedConnection):
 
     def _hold_pipelined(self, size: int) -> None:
         """`size` more bytes read while requests queue behind the one handled: past
-        MAX_PIPELINED_BYTES, reading stops (backpressure, not a refusal) until the queue
+        MAX_PIPELINED_BYTES, or past the budget of all connections' held bytes
+        (`_over_budget`), reading stops (backpressure, not a refusal) until the queue
         is down to one. Not before: only the last request queued may still be receiving
         its body, and it is handled once the rest are."""
         self._pipelined_bytes += size
-        if self._pipelined_bytes > MAX_PIPELINED_BYTES and not self._pipeline_full:
+        self._held_changed(size)
+        if not self._pipeline_full and (
+            self._pipelined_bytes > MAX_PIPELINED_BYTES or self._over_budget()
+        ):
             self._pipeline_full = True
             self._update_reading()
+
+    def _over_budget(self) -> bool:
+        """All connections' held bytes are over their budget (router.edge.server)."""
+        return False
+
+    def _release_pipelined(self) -> None:
+        """The bytes read while requests queued are held no more."""
+        self._held_changed(-self._pipelined_bytes)
+        self._pipelined_bytes = 0
 
     def _refused(self, answer: Answer) -> None:
         """A head refused before any handler saw it (router.edge.server counts it)."""
@@ -226,11 +244,11 @@ class ServingConnection(ClockedConnection):
         # was lost and the request counted as the client's leaving.)
         log.debug("a request head did not arrive in time: closing after the reply")
         self._stopped = True
+        self._release_head()  # never read on: not held against the budget till the reply ends
         self._closing = True
 
     def _parse_unparsed(self) -> None:
-        unparsed = self._unparsed
-        self._unparsed = None
+        unparsed = self._drop_unparsed()
         if unparsed is not None and not self._lost:
             self.data_received(unparsed)  # may keep a rest again
         self._update_reading()
@@ -250,6 +268,7 @@ class ServingConnection(ClockedConnection):
         """Closes once a reply said `Connection: close`; lingers when the client may
         still be sending the body of the request it was an answer to."""
         self._stopped = True
+        self._release_head()
         if request.body_complete:
             self._close()
         else:

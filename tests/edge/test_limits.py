@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import resource
+from typing import cast
 
 import pytest
 
 from router.config import ConfigError, parse_config
 from router.core.answers import Answer
 from router.edge.request import PublicRequest
-from router.edge.server import EdgeLimits, EdgeServer
+from router.edge.server import EdgeConnection, EdgeLimits, EdgeServer
 from router.metrics import EdgeCounts, RouterMetrics
 from router.service.listeners import (
     MIN_CONNECTIONS,
@@ -176,6 +177,44 @@ async def test_refusals_at_the_limit_are_logged_once_a_minute_not_each(
         assert warnings[0].levelname == "WARNING"
     finally:
         for conn in (held, *refused):
+            conn.close()
+        listener.close()
+        await edge.shutdown(0.5)
+
+
+class _Busy:
+    """A connection that is never idle, and fails the test if it is looked at."""
+
+    @property
+    def idle_until(self) -> float | None:
+        raise AssertionError("a busy connection was scanned for the longest idle")
+
+
+async def test_the_longest_idle_is_found_without_scanning_the_busy_connections() -> None:
+    loop = asyncio.get_running_loop()
+    edge = EdgeServer(answer_at_once, EdgeLimits(max_connections=10_002), loop)
+    listener = await loop.create_server(edge, "127.0.0.1", 0)
+    port = int(listener.sockets[0].getsockname()[1])
+    opened: list[RawHttp] = []
+    try:
+        for _ in range(2):
+            conn = await RawHttp.open(port)
+            opened.append(conn)
+            conn.send(b"GET /p HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await conn.read_reply())[0] == 503
+        first, second = opened
+        first.send(b"GET /p HTTP/1.1\r\nHost: x\r\n\r\n")  # idle again: now the newest
+        assert (await first.read_reply())[0] == 503
+        busy = [_Busy() for _ in range(10_000)]
+        edge.connections.update(cast("list[EdgeConnection]", busy))
+        fresh = await RawHttp.open(port)  # at the limit: the longest idle makes room
+        opened.append(fresh)
+        assert await second.read_to_end() == b""
+        assert not first.reader.at_eof()
+        assert edge.idle_closed_for_room == 1
+        edge.connections.difference_update(cast("list[EdgeConnection]", busy))
+    finally:
+        for conn in opened:
             conn.close()
         listener.close()
         await edge.shutdown(0.5)

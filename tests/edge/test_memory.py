@@ -21,6 +21,8 @@ from router.edge.serving import MAX_PIPELINED_BYTES
 from tests.router_fixtures import RawHttp, open_rig, router_config, wait_until
 
 GET = b"GET /p HTTP/1.1\r\nHost: x\r\n\r\n"
+# The most a transport reads at once (asyncio's and uvloop's 256 KiB).
+READ_MAX_BYTES = 256 * 1024
 FIELD = b"X-Filler: " + b"f" * 8000 + b"\r\n"  # one line of a large head
 
 
@@ -177,6 +179,99 @@ async def test_pipelined_heads_behind_a_slow_request_stop_reading_past_their_byt
         finally:
             sender.cancel()
             client.close()
+
+
+async def test_a_late_head_behind_a_request_in_flight_lets_go_of_its_bytes() -> None:
+    # The head's clock passes while /slow is with the handler: the connection stops
+    # reading (and closes after the reply), and its head's bytes are no longer held, so
+    # the budget refuses other heads rather than choosing this one, which it cannot.
+    limits = EdgeLimits(header_timeout_s=0.3, max_head_bytes=65536, max_held_head_bytes=100_000)
+    async with an_edge(limits) as edge:
+        stuck = await RawHttp.open(edge.port)
+        opened = [stuck]
+        try:
+            stuck.send(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.sleep(0.05)
+            stuck.send(unfinished_head(60000))
+            await wait_until(lambda: _true(edge.server.head_bytes_held > 50000), "the late head", 5)
+            await wait_until(
+                lambda: _true(edge.server.head_bytes_held == 0), "the late head let go", 5
+            )
+            large = await RawHttp.open(edge.port)  # (each head's clock runs from its start)
+            last = await RawHttp.open(edge.port)
+            opened += (large, last)
+            large.send(unfinished_head(60000))
+            await asyncio.sleep(0.1)
+            last.send(unfinished_head(50000))  # over the budget with the large one
+            status, _, body = await large.read_reply()
+            assert status == 431
+            assert b"largest" in body
+            assert edge.server.heads_over_budget == 1  # the one refusal made
+            last.send(b"\r\n")
+            assert (await last.read_reply())[0] == 503
+            edge.release.set()
+            assert (await stuck.read_reply())[0] == 503  # its reply still went out
+        finally:
+            for conn in opened:
+                conn.close()
+        await wait_until(lambda: closed(edge.server), "the connections to close", 5)
+        assert edge.server.head_bytes_held == 0
+
+
+async def test_pipelined_bytes_count_in_the_budget_and_stop_reading_past_it() -> None:
+    # Complete heads queued behind a slow request, and a read's rest kept unparsed, are
+    # held as an unfinished head is: counted in the budget of all connections, and past
+    # it the connection stops reading (backpressure) until its queue is down to one.
+    budget = 80_000  # more than one head (~56 KiB), less than MAX_PIPELINED_BYTES
+    async with an_edge(EdgeLimits(max_held_head_bytes=budget)) as edge:
+        client = socket.socket()
+        for buffer in (socket.SO_RCVBUF, socket.SO_SNDBUF):  # small, and set before connect
+            client.setsockopt(socket.SOL_SOCKET, buffer, 4096)
+        client.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(client, ("127.0.0.1", edge.port))
+        big_get = b"GET /p HTTP/1.1\r\nHost: x\r\n" + FIELD * 7 + b"\r\n"  # ~56 KiB each
+        data = b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" + big_get * 15
+        sender = asyncio.create_task(loop.sock_sendall(client, data), name="pipelining-client")
+        try:
+            await asyncio.sleep(0.5)
+            [conn] = edge.server.connections
+            assert conn._pipeline_full
+            assert conn._pipelined_bytes > 0
+            kept = len(conn._unparsed or b"")
+            # Held in the budget (the queued heads and the read's rest kept unparsed), and
+            # stopped within one read of it: before MAX_PIPELINED_BYTES, the bound of one
+            # connection, which alone let it read on.
+            assert edge.server.head_bytes_held >= conn._pipelined_bytes + kept
+            assert edge.server.head_bytes_held <= budget + READ_MAX_BYTES + 65536
+            assert conn._pipelined_bytes < MAX_PIPELINED_BYTES
+            edge.release.set()
+            answered = b""
+            async with asyncio.timeout(20):
+                while answered.count(b"HTTP/1.1 503 ") < 16:
+                    answered += await loop.sock_recv(client, 1 << 16)
+            await sender  # every one read and answered: backpressure, no refusal
+            assert edge.server.heads_over_budget == 0
+            assert edge.server.head_bytes_held == 0  # all let go once handled
+        finally:
+            sender.cancel()
+            client.close()
+
+
+async def test_a_closed_pipelining_connection_lets_go_of_its_held_bytes() -> None:
+    async with an_edge(EdgeLimits()) as edge:
+        conn = await RawHttp.open(edge.port)
+        big_get = b"GET /p HTTP/1.1\r\nHost: x\r\n" + FIELD * 7 + b"\r\n"
+        conn.send(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" + big_get * 6)
+        await wait_until(
+            lambda: _true(edge.server.head_bytes_held > 100_000), "the pipelined heads", 5
+        )
+        conn.close()
+        edge.release.set()
+        await wait_until(lambda: closed(edge.server), "the connection to close", 5)
+        await wait_until(
+            lambda: _true(edge.server.head_bytes_held == 0), "the held bytes let go", 5
+        )
 
 
 # --- an absurd Content-Length ---------------------------------------------------------------
