@@ -29,10 +29,11 @@ log = logging.getLogger("episode_router")
 
 # The collector's first generation runs after this many more container objects are
 # allocated than freed (CPython's default: 700). A forward leaves almost no cycles behind,
-# so under load the default ran gen-0 passes that found nothing; but a client that
-# leaves mid-forward leaves the relay's objects in a cycle until a pass, and at 50,000
-# a wave of them held tens of MB. This one holds a tenth of that with far fewer passes
-# than the default (measured: docs/performance.md, "The collector's threshold").
+# so under load the default ran gen-0 passes that found nothing. At 50,000 a wave of
+# clients leaving mid-forward held tens of MB in a cycle until a pass (that cycle is
+# broken since); this one held a tenth of that with far fewer passes than the default,
+# and stays as a margin for any cycle not yet found (measured: docs/performance.md,
+# "The collector's threshold").
 GC_GEN0_THRESHOLD = 5_000
 
 
