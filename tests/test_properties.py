@@ -480,6 +480,8 @@ SPECIAL_NAMES = [
     "x-listed",
     "x-other",
     "cookie",
+    "authorization",
+    "content-type",
     "upgrade-insecure-requests",
 ]
 names = st.sampled_from(SPECIAL_NAMES).flatmap(
@@ -499,13 +501,19 @@ def client_headers(draw: st.DrawFn) -> list[tuple[str, str]]:
     return headers
 
 
+# design §8: a client's Connection options never remove these (with no session kind
+# configured here, none of a kind's own headers).
+NEVER_REMOVED_BY_CONNECTION = {"cookie", "authorization", "content-type", "content-length"}
+
+
 def listed_in_connection(headers: list[tuple[str, str]]) -> set[str]:
+    """The names a client's Connection options remove."""
     return {
         token.strip().lower()
         for name, value in headers
         if name.lower() == "connection"
         for token in value.split(",")
-    }
+    } - NEVER_REMOVED_BY_CONNECTION
 
 
 def dropped(lower: str, listed: set[str], chunked: bool) -> bool:
