@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -194,49 +195,72 @@ async def partial_lines(router: Router, connections: int, line_bytes: int) -> At
     attack = Attack("connections before hello")
     pid = router.process.pid
     attack.rss_before = router_rss(pid)
-    leases = [await Lease.open(router.socket_path) for _ in range(connections)]
-    # Read as we write: the router's answer would be lost to the reset that writing
-    # on after its close brings.
+    loop = asyncio.get_running_loop()
+    # Raw sockets, read apart from the writes: a write after the router's close fails
+    # (EPIPE), and a stream reader would then raise that failure instead of handing over
+    # the answer it had already received.
+    socks = [await _connect(loop, router.socket_path) for _ in range(connections)]
     answers = [
-        asyncio.create_task(_last_answer(lease), name=f"answer-{i}")
-        for i, lease in enumerate(leases)
+        asyncio.create_task(_answer_on(loop, sock), name=f"answer-{i}")
+        for i, sock in enumerate(socks)
     ]
     chunk = b'{"op":"hello","pad":"' + b"x" * (64 << 10)
     try:
         sent = 0
         while sent < line_bytes:  # each round, every connection sends one more chunk
-            for lease in leases:
-                if not lease.writer.is_closing():
-                    lease.writer.write(chunk if sent == 0 else b"x" * len(chunk))
-            await asyncio.gather(*(_drained(lease) for lease in leases))
+            data = chunk if sent == 0 else b"x" * len(chunk)
+            await asyncio.gather(*(_send(loop, sock, data) for sock in socks))
             sent += len(chunk)
             attack.rss_peak = max(attack.rss_before, attack.rss_peak, router_rss(pid))
         for result in await asyncio.gather(*answers):
             attack.answers[result] += 1
     finally:
-        for lease in leases:
-            lease.close()
+        for sock in socks:
+            sock.close()
         for task in answers:
             task.cancel()
     await _pings(router, attack)
     return attack
 
 
-async def _drained(lease: Lease) -> None:
-    with contextlib.suppress(ConnectionError):  # the router closed it: as it must
-        await asyncio.wait_for(lease.writer.drain(), STEP_TIMEOUT_S)
-
-
-async def _last_answer(lease: Lease) -> str:
-    """The router's answer on a connection it should have closed, and `closed` after it."""
+async def _connect(loop: asyncio.AbstractEventLoop, path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
     try:
-        reply = await lease.reply()
-    except (ConnectionError, TimeoutError):
+        await asyncio.wait_for(loop.sock_connect(sock, str(path)), STEP_TIMEOUT_S)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _send(loop: asyncio.AbstractEventLoop, sock: socket.socket, data: bytes) -> None:
+    with contextlib.suppress(OSError, TimeoutError):  # the router closed it: as it must
+        await asyncio.wait_for(loop.sock_sendall(sock, data), STEP_TIMEOUT_S)
+
+
+async def _answer_on(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> str:
+    """The router's answer on a connection it should have closed, and `closed` after it."""
+    received = b""
+    with contextlib.suppress(OSError, TimeoutError):
+        while b"\n" not in received:
+            data = await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), STEP_TIMEOUT_S)
+            if not data:
+                break
+            received += data
+    line, newline, rest = received.partition(b"\n")
+    if not newline:
         return "closed without an answer"
-    rest = b""
-    with contextlib.suppress(ConnectionError, TimeoutError):
-        rest = await asyncio.wait_for(lease.reader.read(), STEP_TIMEOUT_S)
-    return _result(reply) + (", then closed" if rest == b"" else ", left open")
+    reply = json.loads(line)
+    assert isinstance(reply, dict)
+    try:
+        more = rest or await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), STEP_TIMEOUT_S)
+        closed = more == b""
+    except TimeoutError:
+        closed = False  # still open after the answer
+    except OSError:
+        closed = True  # a reset after the answer is a close too
+    return _result(reply) + (", then closed" if closed else ", left open")
 
 
 def start_router(launcher: Launcher, name: str, cap: int) -> Router:
