@@ -20,6 +20,7 @@ from router.directory.errors import (
     DirectoryTimeout,
     DirectoryUnavailable,
 )
+from router.directory.gate import ClaimGate
 from router.directory.heartbeat import HeartbeatLoop
 from router.directory.keys import KeyLayout
 from router.directory.meaning import WITHOUT_AN_ANSWER, RequestMeaning, meaning_of
@@ -47,6 +48,7 @@ __all__ = [
     "WITHOUT_AN_ANSWER",
     "BreakerState",
     "CircuitBreaker",
+    "ClaimGate",
     "ClaimOutcome",
     "ClaimVerdict",
     "Directory",

@@ -1,0 +1,26 @@
+"""What the control socket and the learner need of the directory (design §10, "Writes and
+fencing"): a claim acknowledged only once the directory holds its owner record, a release
+written after. Pure: a Protocol the router's fleet link (router.fleet) implements; a
+router without a `directory:` section has none, and claims are the local table's alone.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from router.directory.records import ClaimOutcome
+
+
+class ClaimGate(Protocol):
+    """The directory's half of a claim: written before the worker hears `ok`."""
+
+    async def claim(self, kind: str, key: str) -> ClaimOutcome:
+        """Write this router's owner record of `key` (batched with the other claims of
+        this loop turn). Raises DirectoryError when it was not written in time (the
+        worker gets `directory_unavailable`); CONFLICT names the live holder."""
+        ...
+
+    def released(self, kind: str, key: str) -> None:
+        """The local table ended `key`: mark its record ended, in the background (the
+        local table stays the authority; a record still held answers from it)."""
+        ...
