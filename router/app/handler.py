@@ -25,14 +25,28 @@ from router.app.exchange import (
     failure_answer,
 )
 from router.core import Answer, Forward, RouterCore, Worker
+from router.directory import RequestMeaning
 from router.edge import BodyBroken, PublicRequest, framing_problem
+from router.fleet import (
+    PEER_HEADER,
+    FleetLink,
+    Lookup,
+    answer_for,
+    not_owner,
+    owner_unreachable,
+    peer_refused,
+    sign,
+    verify,
+)
 from router.metrics import RouterMetrics
-from router.relay import Forwarder, UpstreamFailure, as_value
+from router.relay import Forwarder, Upstream, UpstreamFailure, as_value
 from router.sessions import ReplyLearner, SessionReader, SessionRef, plan_learning
 
 log = logging.getLogger("episode_router.public")
 access_log = logging.getLogger("episode_router.access")
 
+# Peer addresses whose upstreams are kept: far more than a fleet has routers.
+MAX_KEPT_PEERS: Final = 1024
 MAX_SESSIONLESS_TRIES: Final = 3  # a sessionless request nothing of which reached a worker
 # A Final name: the compiled build keeps it in a C variable, where an imported name is
 # looked up in the module's dict at each call (three times a request).
@@ -66,6 +80,14 @@ class PublicHandler(ExchangeOwner):
         self._clock = clock
         self._wall_clock = wall_clock
         self.shutting_down = False
+        # Several routers (design §10): keys this router's table does not know are looked
+        # up in the directory, and those a peer holds forwarded there (`fleet`); on the
+        # peer listener's handler (`peer_side`), every request must carry a valid hop,
+        # and is answered from this router's own table only.
+        self.fleet: FleetLink | None = None
+        self.peer_secret = b""
+        self.peer_side = False
+        self._peer_upstreams: dict[str, Upstream] = {}
 
     def handle(self, request: PublicRequest) -> Coroutine[Any, Any, None] | None:
         """Answers or forwards `request`; its reply goes out through its connection.
@@ -94,6 +116,8 @@ class PublicHandler(ExchangeOwner):
                 return self._session_from_body(exchange, found)
             decision = self._route(exchange, found)
             if decision is not None:
+                if not isinstance(decision, Forward):
+                    return decision  # a directory lookup first (design §10)
                 # A reply a learner must see goes the coroutine path (Forwarder.forward).
                 observer = self._learner(exchange, decision.worker)
                 if observer is None and self._start_forward(exchange, decision):
@@ -123,12 +147,17 @@ class PublicHandler(ExchangeOwner):
         if found is None:
             found = self.sessions.read_body(exchange.body, exchange.seeding)
         decision = self._route(exchange, found)
-        if decision is not None:
+        if isinstance(decision, Forward):
             await self._forward_and_finish(exchange, decision)
+        elif decision is not None:
+            await decision
 
-    def _route(self, exchange: Exchange, found: SessionRef | Answer | None) -> Forward | None:
+    def _route(
+        self, exchange: Exchange, found: SessionRef | Answer | None
+    ) -> Forward | Coroutine[Any, Any, None] | None:
         """Where the request goes, from the session read so far; None when the router
-        answered it itself (the answer is out and counted)."""
+        answered it itself (the answer is out and counted); a coroutine that routes it
+        once the directory answered, for a key this router's table does not know."""
         if found is None and self.sessions.reads_paths:
             found = self.sessions.read_path(exchange.route_path, exchange.seeding)
         if isinstance(found, Answer):
@@ -152,6 +181,16 @@ class PublicHandler(ExchangeOwner):
                 if header is not None:
                     exchange.request.keep_one_header(header, found.one_line)
         exchange.kind = kind
+        if self.fleet is not None:
+            if self.peer_side:
+                refusal = self._peer_refusal(exchange.request, kind, key)
+                if refusal is not None:
+                    self._answer(exchange, refusal)
+                    return None
+            elif (
+                kind is not None and key is not None and self.core.claims.lookup(kind, key) is None
+            ):
+                return self._look_up_and_route(exchange, kind, key)
         if kind is not None and key is not None and self.sessions.learns:
             decision = self._route_on(exchange, kind, key)
         else:
@@ -165,6 +204,115 @@ class PublicHandler(ExchangeOwner):
             self._answer(exchange, decision)
             return None
         return decision
+
+    def _peer_refusal(
+        self, request: PublicRequest, kind: str | None, key: str | None
+    ) -> Answer | None:
+        """Why a request on the peer listener is refused: no valid hop for what this
+        router read of it (403), or a hop meant for another incarnation (421)."""
+        fleet = self.fleet
+        assert fleet is not None
+        values = request.getall(PEER_HEADER, [])
+        session = (kind, key) if kind is not None and key is not None else None
+        hop = verify(
+            self.peer_secret,
+            values[0] if len(values) == 1 else None,
+            request.method,
+            request.target,
+            session,
+            round(self._wall_clock() * 1000),
+        )
+        if isinstance(hop, str):
+            return peer_refused(hop, key)
+        if hop.receiver != fleet.incarnation:
+            return not_owner(key)
+        return None
+
+    async def _look_up_and_route(self, exchange: Exchange, kind: str, key: str) -> None:
+        """A key this router's table does not know: what the directory says of it decides
+        (design §10, the request path): its owner's peer listener, a 410 or a 503, or
+        this router's own answer (its own key, or nobody's in a settled fleet)."""
+        fleet = self.fleet
+        assert fleet is not None
+        found = await fleet.lookup(kind, key)
+        if self.core.claims.lookup(kind, key) is None:  # not claimed here meanwhile
+            if found.meaning is RequestMeaning.PEER:
+                self._decision_observed(exchange)
+                try:
+                    await self._forward_to_peer(exchange, kind, key, found)
+                except BodyBroken as broken:
+                    exchange.body_broke(broken)
+                self._finish(exchange)
+                return
+            answer = answer_for(found.meaning, key, kind in self.core.settings.mcp_kinds)
+            if answer is not None:
+                if self.metrics is not None:
+                    exchange.decided = _perf_counter()
+                self._answer(exchange, answer)
+                return
+        if self.sessions.learns:
+            decision = self._route_on(exchange, kind, key)
+        else:
+            decision = self.core.route(kind, key, self._clock())
+        if self.metrics is not None:
+            exchange.decided = _perf_counter()
+        if isinstance(decision, Answer):
+            self._answer(exchange, decision)
+            return
+        await self._forward_and_finish(exchange, decision)
+
+    async def _forward_to_peer(
+        self, exchange: Exchange, kind: str, key: str, found: Lookup
+    ) -> None:
+        """One hop to the router that holds `key`, signed; its answer relayed as it is.
+        A peer that cannot be reached (nothing of the request sent) is 503
+        `owner_unreachable` until its lease lapses."""
+        fleet = self.fleet
+        assert fleet is not None and found.result is not None and found.result.peer
+        request = exchange.request
+        header = sign(
+            self.peer_secret,
+            request.method,
+            request.target,
+            (kind, key),
+            fleet.incarnation,
+            found.receiver,
+            round(self._wall_clock() * 1000),
+        )
+        _continue_if_expected(request)
+        try:
+            exchange.status = await self.forwarder.forward(
+                request,
+                self._peer_upstream(found.result.peer),
+                extra_headers={PEER_HEADER: header},
+                public_base=None,
+                body=exchange.body,
+            )
+        except UpstreamFailure as raised:
+            failure = as_value(raised)
+            if exchange.failed_by_client(failure):
+                return
+            if failure.request_sent and failure.kind == "timeout":
+                exchange.answer(
+                    Answer("upstream_timeout", "The worker did not answer in time.", key)
+                )
+            elif failure.request_sent:
+                exchange.answer(
+                    Answer("upstream_error", f"The owner failed: {failure.detail}", key)
+                )
+            else:
+                exchange.answer(owner_unreachable(key))
+
+    def _peer_upstream(self, address: str) -> Upstream:
+        """The peer listener at `address` as the relay pools it (one pool per peer)."""
+        upstream = self._peer_upstreams.get(address)
+        if upstream is None:
+            if len(self._peer_upstreams) >= MAX_KEPT_PEERS:
+                self._peer_upstreams.clear()
+            upstream = self._peer_upstreams[address] = Upstream(
+                f"peer:{address}", f"http://{address}"
+            )
+        return upstream
 
     def _route_on(self, exchange: Exchange, kind: str, key: str) -> Forward | Answer:
         """A session's request where kinds have routes: a close route reaches a worker

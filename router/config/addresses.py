@@ -74,6 +74,9 @@ def _bound_ranges(config: Config) -> list[_Bound]:
     tcp = config.control.tcp_address
     if tcp is not None:
         bound.append(_Bound("control.socket", tcp[0], tcp[1], tcp[1]))
+    if config.peer is not None:
+        peer = config.peer
+        bound.append(_Bound("peer.listen", peer.host, peer.port, peer.port))
     if config.spawn is not None:
         spawn = config.spawn
         last = spawn.base_port + spawn.count - 1

@@ -12,6 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
+from router.directory.keys import DEFAULT_PREFIX
+from router.directory.settings import (
+    DEFAULT_CLAIM_TIMEOUT_S,
+    DEFAULT_LEASE_TTL_S,
+    DEFAULT_LOOKUP_TIMEOUT_MS,
+)
 from router.protocol import TCP, UNIX, split_host_port
 
 
@@ -371,6 +377,53 @@ class LogConfig:
     level: str = "info"
 
 
+@dataclass(frozen=True, slots=True)
+class DirectoryConfig:
+    """The claims directory on Redis that several routers share (design §10)."""
+
+    # redis://host:port/db, rediss://..., or unix:/path; None when `sentinel` is used.
+    url: str | None = None
+    # A primary under Sentinel: its master name and the sentinels' host:port.
+    sentinel_master: str | None = None
+    sentinel_nodes: tuple[str, ...] = ()
+    # Resolved when the file is read: the pod name (HOSTNAME), one router a pod.
+    router_id: str = ""
+    # One fleet per Redis needs no configuration; several fleets share one with several.
+    prefix: str = DEFAULT_PREFIX
+    # A dead pod's episodes turn 410 within lease + one heartbeat (about 13 s).
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    # A miss waits at most this for its owner before 503 `recovering`.
+    lookup_timeout_ms: int = DEFAULT_LOOKUP_TIMEOUT_MS
+    # A worker waits at most this for its claim before `directory_unavailable`.
+    claim_timeout_s: float = DEFAULT_CLAIM_TIMEOUT_S
+    # None: 1 under Sentinel (a failover must not lose an acknowledged claim), else 0.
+    min_replicas: int | None = None
+    # Redis AUTH, from password_env / password_file (never inline).
+    password: str | None = None
+
+    @property
+    def replicas_to_wait_for(self) -> int:
+        if self.min_replicas is not None:
+            return self.min_replicas
+        return 1 if self.sentinel_master is not None else 0
+
+
+@dataclass(frozen=True, slots=True)
+class PeerConfig:
+    """The peer listener other routers of the fleet forward to (design §10): never the
+    public port, and not exposed by the Service."""
+
+    # Every interface of the pod: peers reach it at the pod IP.
+    host: str = "0.0.0.0"
+    # Next to the admin port (9901) and the metrics.
+    port: int = 9903
+    # host:port peers dial; None: the listen address, or POD_IP with the port when the
+    # listen host is a wildcard (resolved at start, once the port is bound).
+    advertise: str | None = None
+    # Signs every hop (HMAC-SHA256), from secret_env / secret_file: the same on every router.
+    secret: str = ""
+
+
 # The default session kind: episode tokens (design §2) in their standard header.
 _EPISODE_KIND: Final = SessionKindConfig("episode", "X-NeMo-Gym-Episode-Token", TokenFormatConfig())
 
@@ -397,6 +450,9 @@ class Config:
     limits: LimitsConfig = LimitsConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
     log: LogConfig = LogConfig()
+    # One router alone, its table the only one, unless a fleet shares a directory.
+    directory: DirectoryConfig | None = None
+    peer: PeerConfig | None = None
 
     def session_kind(self, name: str) -> SessionKindConfig | None:
         """The session kind called `name`, or None."""

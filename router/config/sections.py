@@ -14,9 +14,11 @@ It must never read the file or the environment itself: values come through
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import string
+from collections.abc import Mapping
 from typing import Final
 
 from router.config.addresses import (
@@ -33,10 +35,12 @@ from router.config.model import (
     ClaimsConfig,
     Config,
     ControlConfig,
+    DirectoryConfig,
     HealthConfig,
     LimitsConfig,
     ListenConfig,
     LogConfig,
+    PeerConfig,
     SpawnConfig,
     StateConfig,
     StaticWorkerConfig,
@@ -45,13 +49,14 @@ from router.config.model import (
 )
 from router.config.patterns import compile_path_prefix
 from router.config.reader import Context, Section, read_integer, read_text
-from router.config.secrets import inline_refused, secret_text
+from router.config.secrets import find_secret, inline_refused, secret_text
 from router.config.sessions import read_sessions
-from router.protocol import UNIX, is_host, is_loopback_host
+from router.protocol import UNIX, is_host, is_loopback_host, split_host_port
 
 TOP_KEYS: Final = (
     *("listen", "admin", "control", "workers", "health", "spawn", "sessions"),
     *("path_prefixes", "claims", "state", "limits", "timeouts", "log"),
+    *("directory", "peer"),
 )
 _WORKER_ID: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _ENV_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -78,6 +83,13 @@ _LIMITS_KEYS: Final = (
     *("max_head_bytes", "max_held_head_bytes", "max_connections"),
 )
 _TIMEOUTS_KEYS: Final = ("connect_s", "first_byte_s", "stream_idle_s", "shutdown_grace_s")
+_DIRECTORY_KEYS: Final = (
+    *("url", "sentinel", "router_id", "prefix", "lease_ttl_s", "lookup_timeout_ms"),
+    *("claim_timeout_s", "min_replicas", "password_env", "password_file"),
+)
+_PEER_KEYS: Final = ("listen", "advertise", "secret_env", "secret_file")
+# Router ids and prefixes go into Redis keys (design §10): a pod name fits.
+_DIRECTORY_NAME: Final = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 def build_config(root: Section) -> Config:
@@ -101,6 +113,8 @@ def build_config(root: Section) -> Config:
         limits=_limits(root.child("limits", _LIMITS_KEYS)),
         timeouts=_timeouts(root.child("timeouts", _TIMEOUTS_KEYS)),
         log=_log(root.child("log", ("format", "access", "level"))),
+        directory=_directory(root),
+        peer=_peer(root),
     )
     check_whole_config(root.ctx, config)
     return config
@@ -121,6 +135,12 @@ def check_whole_config(ctx: Context, config: Config) -> None:
         raise ctx.fail("control" if key == "secret" else join_key("control", key), reason)
     if config.admin.token is None and not is_loopback_host(config.admin.host):
         raise ctx.fail("admin", _admin_token_reason(config.admin.host))
+    if (config.directory is None) != (config.peer is None):
+        raise ctx.fail(
+            "directory" if config.directory is None else "peer",
+            "`directory:` and `peer:` go together: routers that share a directory forward "
+            "each other's episodes over the peer listener",
+        )
     check_addresses(ctx, config)
     if config.spawn is not None:
         _check_spawned_workers(ctx, config, config.spawn)
@@ -151,6 +171,92 @@ def _check_spawned_workers(ctx: Context, config: Config, spawn: SpawnConfig) -> 
             f"{quote(refused[0])}: the spawned workers could never say hello"
         )
         raise ctx.fail("spawn.host", reason)
+
+
+def _directory(root: Section) -> DirectoryConfig | None:
+    if not root.has("directory"):
+        return None
+    sec = root.child("directory", _DIRECTORY_KEYS, inline_refused("password"))
+    d = DirectoryConfig()
+    url = sec.optional_text("url")
+    master: str | None = None
+    nodes: tuple[str, ...] = ()
+    if sec.has("sentinel"):
+        sentinel = sec.child("sentinel", ("master", "nodes"))
+        master = sentinel.text("master")
+        nodes = tuple(_sentinel_node(sec.ctx, p, v) for p, v in sentinel.items("nodes"))
+        if not nodes:
+            raise sentinel.fail("nodes", "list at least one sentinel (host:port)")
+    if (url is None) == (master is None):
+        raise sec.fail(None, "set one of `url` (a Redis) and `sentinel` (a primary under Sentinel)")
+    if url is not None and (problem := _redis_url_problem(url)):
+        raise sec.fail("url", problem)
+    router_id = sec.text("router_id", _pod_name(sec.ctx.env))
+    prefix = sec.text("prefix", d.prefix)
+    for key, value in (("router_id", router_id), ("prefix", prefix)):
+        if not _DIRECTORY_NAME.fullmatch(value):
+            raise sec.fail(key, f"must be 1-128 characters of [A-Za-z0-9._-], got {quote(value)}")
+    lease = sec.seconds("lease_ttl_s", d.lease_ttl_s)
+    if lease < 1.5:
+        # The heartbeat runs every third of a lease: below half a second a beat is a
+        # scheduling hiccup away from a fenced router.
+        raise sec.fail("lease_ttl_s", f"must be at least 1.5 s, got {lease!r}")
+    password = find_secret(sec, "password", 1)
+    return DirectoryConfig(
+        url=url,
+        sentinel_master=master,
+        sentinel_nodes=nodes,
+        router_id=router_id,
+        prefix=prefix,
+        lease_ttl_s=lease,
+        lookup_timeout_ms=sec.integer("lookup_timeout_ms", d.lookup_timeout_ms, 1, 60_000),
+        claim_timeout_s=sec.seconds("claim_timeout_s", d.claim_timeout_s),
+        min_replicas=sec.optional_integer("min_replicas", 0, 16),
+        password=password[1].decode("utf-8", "surrogateescape") if password else None,
+    )
+
+
+def _pod_name(env: Mapping[str, str]) -> str:
+    """The router id by default: the pod name Kubernetes puts in HOSTNAME, else the host's
+    name (one router a host; several processes on one host name themselves)."""
+    return env.get("HOSTNAME") or os.uname().nodename
+
+
+def _redis_url_problem(url: str) -> str | None:
+    if url.startswith("unix:"):
+        path = url[len("unix:") :].removeprefix("//")
+        return None if path.startswith("/") else "a unix: socket path is absolute"
+    if not url.startswith(("redis://", "rediss://")):
+        return f"expected redis://host:port/db, rediss://... or unix:/path, got {quote(url)}"
+    return None
+
+
+def _sentinel_node(ctx: Context, key_path: str, value: object) -> str:
+    node = read_text(ctx, key_path, value)
+    if split_host_port(node) is None:
+        raise ctx.fail(key_path, f"expected host:port, got {quote(node)}")
+    return node
+
+
+def _peer(root: Section) -> PeerConfig | None:
+    if not root.has("peer"):
+        return None
+    sec = root.child("peer", _PEER_KEYS, inline_refused("secret"))
+    d = PeerConfig()
+    listen = sec.text("listen", f"{d.host}:{d.port}")
+    # Port 0: the kernel picks one (tests); the advertised address then names it.
+    parsed = split_host_port(listen.removesuffix(":0") + ":1" if listen.endswith(":0") else listen)
+    if parsed is None:
+        raise sec.fail("listen", f"expected host:port, got {quote(listen)}")
+    if listen.endswith(":0"):
+        parsed = (parsed[0], 0)
+    advertise = sec.optional_text("advertise")
+    if advertise is not None and split_host_port(advertise) is None:
+        raise sec.fail("advertise", f"expected host:port, got {quote(advertise)}")
+    secret = secret_text(sec, "secret", header_safe=False)
+    if secret is None:
+        raise sec.fail(None, "the peer hop is signed: set secret_env or secret_file")
+    return PeerConfig(parsed[0], parsed[1], advertise, secret[1])
 
 
 def _listen(sec: Section) -> ListenConfig:

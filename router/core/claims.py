@@ -282,6 +282,16 @@ class ClaimTable:
                 self._learned.dropped(traits.kind)
         return len(held)
 
+    def exit_held(self, kind: str, key: str, now: float) -> bool:
+        """Turn one held claim into a `worker_exited` tombstone while its worker runs on
+        (the fleet declared this router's incarnation dead: design §10). False when the
+        key is not held."""
+        claim = self.lookup(kind, key)
+        if claim is None or claim.state is not _HELD:
+            return False
+        self._end(claim, _EXITED, now)
+        return True
+
     def sync(self, worker: str, claims: Iterable[tuple[str, str]], now: float) -> SyncResult:
         """Replace what `worker` holds with `claims` (a complete set).
 

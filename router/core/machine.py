@@ -486,6 +486,19 @@ class RouterCore:
         self.mark_recovered(worker.id, now)
         return result
 
+    def declare_exited(self, keys: Iterable[tuple[str, str]], now: float) -> int:
+        """The fleet holds these held keys dead (this router was fenced, or its records
+        belong to an incarnation it replaced): 410 `worker_exited` here too, so no key
+        answered 410 anywhere is served again (design §10). Their workers run on; each is
+        journaled as a release, so a restart does not bring them back."""
+        count = 0
+        for kind, key in list(keys):
+            claim = self.claims.lookup(kind, key)
+            if claim is not None and self.claims.exit_held(kind, key, now):
+                self.journal.release(kind, key, claim.worker)
+                count += 1
+        return count
+
     def session_info(self, kind: str, key: str) -> Claim | None:
         return self.claims.lookup(kind, key)
 

@@ -41,6 +41,7 @@ from router.directory.records import (
     Standing,
     SweepReport,
 )
+from router.directory.scripts import ScriptRunner
 from router.directory.settings import DirectorySettings
 from router.directory.tracking import TrackedLookups
 
@@ -73,6 +74,7 @@ __all__ = [
     "Registration",
     "ReleaseVerdict",
     "RequestMeaning",
+    "ScriptRunner",
     "SentinelTarget",
     "SessionKey",
     "Standing",

@@ -55,8 +55,9 @@ def sentinel_nodes(nodes: Sequence[str]) -> tuple[tuple[str, int], ...]:
     return tuple(pairs)
 
 
-def open_redis(target: str | SentinelTarget) -> Redis:
-    """A client for `target`; it connects on its first command."""
+def open_redis(target: str | SentinelTarget, password: str | None = None) -> Redis:
+    """A client for `target` (AUTH with `password` when given); it connects on its
+    first command."""
     if isinstance(target, SentinelTarget):
         sentinel = Sentinel(  # type: ignore[no-untyped-call]
             list(target.nodes),
@@ -68,8 +69,12 @@ def open_redis(target: str | SentinelTarget) -> Redis:
             db=target.db,
             decode_responses=True,
             socket_connect_timeout=CONNECT_TIMEOUT_S,
+            password=password,
         )
         return primary
     return Redis.from_url(
-        redis_url(target), decode_responses=True, socket_connect_timeout=CONNECT_TIMEOUT_S
+        redis_url(target),
+        decode_responses=True,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        password=password,
     )

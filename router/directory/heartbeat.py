@@ -54,11 +54,13 @@ class HeartbeatLoop:
 
     async def _run(self) -> None:
         while True:
-            await self.beat_once()
+            if not await self.beat_once():
+                return
             await asyncio.sleep(self._interval_s)
 
-    async def beat_once(self) -> None:
-        """One heartbeat and sweep; FENCED or LOST goes to the callback."""
+    async def beat_once(self) -> bool:
+        """One heartbeat and sweep; FENCED or LOST goes to the callback, after which the
+        loop ends (the router registers again and starts a new one): False then."""
         try:
             beat = await self._directory.heartbeat()
             if beat.standing is Standing.OK:
@@ -68,10 +70,13 @@ class HeartbeatLoop:
             if not self._failing:
                 log.warning("directory heartbeat failed (retrying every beat): %s", error)
             self._failing = True
-            return
+            return True
         if self._failing:
             log.info("directory heartbeat answered again")
         self._failing = False
-        if beat.standing is not Standing.OK:
-            log.warning("this router is %s in the directory", beat.standing.value)
-            await self._on_fenced(beat.standing)
+        if beat.standing is Standing.OK:
+            return True
+        log.warning("this router is %s in the directory", beat.standing.value)
+        self._task = None  # this task ends with the callback: start() makes a new one
+        await self._on_fenced(beat.standing)
+        return False

@@ -1,7 +1,7 @@
-"""The directory client's settings (design §10's planned `directory:` keys), pure.
+"""The directory client's settings (design §10's `directory:` keys), pure.
 
-The config part does not read a `directory:` section yet: the wiring builds these
-from it later. Every default carries its reason.
+The service builds them from the config's `directory:` section and the peer address
+the router advertises (router.service.settings). Every default carries its reason.
 """
 
 from __future__ import annotations
@@ -10,6 +10,12 @@ from dataclasses import dataclass
 
 from router.directory.batching import DEFAULT_BATCH_LIMIT
 from router.directory.keys import DEFAULT_PREFIX, check_name
+
+# The defaults, named: the config's `directory:` section takes them from here.
+DEFAULT_LEASE_TTL_S = 10.0
+DEFAULT_LOOKUP_TIMEOUT_MS = 50
+DEFAULT_CLAIM_TIMEOUT_S = 2.0
+DEFAULT_TOMBSTONE_TTL_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,16 +27,16 @@ class DirectorySettings:
     prefix: str = DEFAULT_PREFIX
     # 10 s: a dead pod's episodes turn 410 within lease + one heartbeat (about 13 s),
     # while a GC pause or a slow Redis of a few seconds fences nobody.
-    lease_ttl_s: float = 10.0
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     # 50 ms: a miss waits at most this for its owner before 503 `recovering`; a local
     # Redis answers in well under a millisecond.
-    lookup_timeout_ms: int = 50
+    lookup_timeout_ms: int = DEFAULT_LOOKUP_TIMEOUT_MS
     # 2 s: a worker waits this long for its claim before `directory_unavailable`; writes
     # (register, heartbeat, retire, sweep) use the same deadline.
-    claim_timeout_s: float = 2.0
+    claim_timeout_s: float = DEFAULT_CLAIM_TIMEOUT_S
     # One hour, as claims.tombstone_ttl_s: records of ended keys and death certificates
     # stay that long, so 410 stays exact fleet-wide as long as one router remembers it.
-    tombstone_ttl_s: float = 3600.0
+    tombstone_ttl_s: float = DEFAULT_TOMBSTONE_TTL_S
     # Up to this many keys per script call (see batching.py).
     batch_limit: int = DEFAULT_BATCH_LIMIT
     # Replicas that must hold a claim before it is acknowledged (WAIT): 0 for a

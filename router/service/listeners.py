@@ -62,9 +62,11 @@ def raise_open_file_limit() -> int:
     return open_file_limit()
 
 
-async def serve_public(edge: EdgeServer, host: str, port: int) -> asyncio.Server:
-    """The public listener: every connection to `edge`."""
-    with _naming_the_listener("listen", host, port):
+async def serve_public(
+    edge: EdgeServer, host: str, port: int, *, name: str = "listen"
+) -> asyncio.Server:
+    """The public listener (or the peer listener, `name`): every connection to `edge`."""
+    with _naming_the_listener(name, host, port):
         loop = asyncio.get_running_loop()
         return await loop.create_server(
             edge, host, port, reuse_address=True, backlog=PUBLIC_BACKLOG

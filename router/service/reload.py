@@ -24,6 +24,8 @@ RESTART_ONLY = {
     "admin": "the admin listener is bound at start",
     "spawn": "spawned workers are started with the router",
     "state": "the journal is opened at start",
+    "directory": "the router registers in the directory at start",
+    "peer": "the peer listener is bound at start",
 }
 CONTROL_RESTART_ONLY = {"socket": "the control socket is bound at start"}
 # What authenticates a hello goes with the socket's kind (a secret for tcp://, uids for

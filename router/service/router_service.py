@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 from collections.abc import Coroutine
@@ -30,7 +31,9 @@ from router.build import build_name
 from router.config import Config, config_warnings, load_config
 from router.control import ControlServer, ControlSession
 from router.core import RouterCore, Worker, WorkerOrigin, WorkerState
+from router.directory import Directory, LookupCache, ScriptRunner, TrackedLookups, open_redis
 from router.edge import EdgeServer
+from router.fleet import FleetLink
 from router.metrics import EdgeCounts, RouterMetrics
 from router.protocol import UpstreamAddress, parse_upstream
 from router.relay import Forwarder, end_to_end_headers
@@ -41,8 +44,11 @@ from router.service.listeners import bound_port, serve_admin, serve_public
 from router.service.logs import setup_logging
 from router.service.reload import ReloadPlan, effective_config, plan_reload
 from router.service.settings import (
+    advertised_peer,
     control_policy,
     core_settings,
+    directory_settings,
+    directory_target,
     edge_limits,
     forward_buffering,
     forward_timeouts,
@@ -103,6 +109,11 @@ class RouterService:
         )
         self.spawner: Spawner | None = None
         self.journal: JournalFile | None = None
+        self.fleet: FleetLink | None = None  # with a `directory:` section (design §10)
+        self.peer_handler: PublicHandler | None = None
+        self._peer: asyncio.Server | None = None
+        self._peer_edge: EdgeServer | None = None
+        self.peer_port = 0
         self._public: asyncio.Server | None = None
         self._edge: EdgeServer | None = None
         self._admin: web.BaseRunner | None = None
@@ -171,6 +182,8 @@ class RouterService:
             self.core.expect(static.id)
         if config.workers:
             self.prober.start()
+        if config.directory is not None:
+            await self._join_the_fleet()  # before workers: their claims go through it
         if config.spawn is not None:
             await self._start_spawner()
         self._edge = EdgeServer(
@@ -201,6 +214,47 @@ class RouterService:
         )
         for warning in config_warnings(config):
             log.warning("config: %s", warning)
+
+    async def _join_the_fleet(self) -> None:
+        """The peer listener bound, the directory client made, the registration begun
+        (retried in the background while the directory is unreachable: design §10)."""
+        config = self.config
+        assert config.directory is not None and config.peer is not None
+        peer_handler = PublicHandler(
+            self.core,
+            self.handler.sessions,
+            self.forwarder,
+            check_worker=self.check_worker,
+            max_body_bytes=config.limits.max_body_bytes,
+            metrics=self.metrics,
+            access_log=config.log.access,
+        )
+        self._peer_edge = EdgeServer(
+            peer_handler.handle, edge_limits(config), asyncio.get_running_loop()
+        )
+        self._peer = await serve_public(
+            self._peer_edge, config.peer.host, config.peer.port, name="peer.listen"
+        )
+        self.peer_port = int(self._peer.sockets[0].getsockname()[1])
+        settings = directory_settings(config, advertised_peer(config, self.peer_port, os.environ))
+        target = directory_target(config)
+        redis = open_redis(target, config.directory.password)
+        tracking = None
+        if isinstance(target, str) and config.directory.password is None:
+            # Standalone Redis: absent, ended and dead answers cached while Redis can
+            # invalidate them (design §10); under Sentinel lookups are not cached.
+            tracking = TrackedLookups(target, LookupCache(settings.lease_ms), ScriptRunner())
+        directory = Directory(redis, settings, tracking=tracking)
+        fleet = FleetLink(directory, self.core, clock=self._clock, close_redis=redis.aclose)
+        fleet.tracking = tracking
+        secret = config.peer.secret.encode()
+        for handler, peer_side in ((self.handler, False), (peer_handler, True)):
+            handler.fleet = fleet
+            handler.peer_secret = secret
+            handler.peer_side = peer_side
+        self.peer_handler = peer_handler
+        self.fleet = fleet
+        fleet.start()
 
     def _open_journal(self, path: str) -> None:
         """Replay the previous run's journal, then start a fresh one from the result."""
@@ -253,10 +307,20 @@ class RouterService:
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish (up to the grace), then close."""
         self.handler.shutting_down = True
+        if self.fleet is not None:
+            # This incarnation's certificate first: its keys are 410 fleet-wide at once,
+            # while its own requests in flight finish from the local table.
+            await self.fleet.stop()
+        if self._peer is not None:
+            self._peer.close()
         if self._public is not None:
             self._public.close()  # no new connections
             assert self._edge is not None
             await self._edge.shutdown(self.config.timeouts.shutdown_grace_s)
+        if self._peer_edge is not None:
+            if self.peer_handler is not None:
+                self.peer_handler.shutting_down = True
+            await self._peer_edge.shutdown(self.config.timeouts.shutdown_grace_s)
         if self.spawner is not None:
             await self.spawner.stop()  # while the control socket is open: they say bye
         for task in list(self._tasks):

@@ -19,11 +19,12 @@ import ipaddress
 import logging
 import os
 import posixpath
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from router.config import Config, SpawnConfig
 from router.control import ControlPolicy
 from router.core import CoreSettings
+from router.directory import DirectorySettings, SentinelTarget, sentinel_nodes
 from router.edge import EdgeLimits
 from router.protocol import UpstreamAddress
 from router.relay import BufferLimits, ForwardTimeouts
@@ -176,3 +177,49 @@ def warn_of_a_short_lease(lease_timeout_s: float) -> None:
             "as the protocol allows, may be taken as lost",
             extra={"lease_timeout_s": lease_timeout_s},
         )
+
+
+def directory_settings(config: Config, peer_address: str) -> DirectorySettings:
+    """The directory client's settings, with the peer address this router advertises."""
+    directory = config.directory
+    assert directory is not None
+    return DirectorySettings(
+        router_id=directory.router_id,
+        peer_address=peer_address,
+        prefix=directory.prefix,
+        lease_ttl_s=directory.lease_ttl_s,
+        lookup_timeout_ms=directory.lookup_timeout_ms,
+        claim_timeout_s=directory.claim_timeout_s,
+        tombstone_ttl_s=config.claims.tombstone_ttl_s,
+        min_replicas=directory.replicas_to_wait_for,
+    )
+
+
+def directory_target(config: Config) -> str | SentinelTarget:
+    """Where the directory is: a Redis address, or a primary found through Sentinel."""
+    directory = config.directory
+    assert directory is not None
+    if directory.sentinel_master is not None:
+        return SentinelTarget(directory.sentinel_master, sentinel_nodes(directory.sentinel_nodes))
+    assert directory.url is not None
+    return directory.url
+
+
+def advertised_peer(config: Config, bound_port: int, env: Mapping[str, str]) -> str:
+    """The address peers dial: `peer.advertise`, else the listen host with the bound
+    port, or POD_IP (the downward API) when the listen host is a wildcard. Raises
+    ValueError when nothing says where the router can be reached."""
+    peer = config.peer
+    assert peer is not None
+    if peer.advertise is not None:
+        return peer.advertise
+    host = peer.host
+    if host in ("0.0.0.0", "::"):
+        pod_ip = env.get("POD_IP", "")
+        if not pod_ip:
+            raise ValueError(
+                "peer.listen is a wildcard address: set peer.advertise, or POD_IP "
+                "(the downward API's status.podIP) so peers know where to forward"
+            )
+        host = pod_ip
+    return f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}"

@@ -8,7 +8,7 @@ import pytest
 
 from router.core.answers import AUTH_SCHEME, STATUS_BY_CODE, Answer, render
 
-# design §1, plus the hygiene answers of §8, the shutdown answer and the silent body's.
+# design §1 and §10, plus the hygiene answers of §8, the shutdown answer and the silent body's.
 CONTRACT = {
     "worker_exited": 410,
     "episode_ended": 410,
@@ -28,6 +28,10 @@ CONTRACT = {
     "shutting_down": 503,
     "worker_busy": 503,
     "request_timeout": 408,
+    # design §10: several routers sharing a directory.
+    "owner_unreachable": 503,
+    "not_owner": 421,
+    "peer_refused": 403,
 }
 
 

@@ -115,7 +115,7 @@ def test_a_reload_whose_mix_with_the_running_sections_fails_the_checks_is_refuse
     assert (error.source, error.key_path) == ("new.yaml", key_path)
     assert reason in error.reason
     assert error.reason.endswith(
-        "(with the running listen, admin, spawn, state, control.socket, "
+        "(with the running listen, admin, spawn, state, directory, peer, control.socket, "
         "which only a restart changes)"
     )
 

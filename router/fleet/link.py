@@ -1,0 +1,298 @@
+"""One router's place in the fleet (design §10): registered in the directory, its lease
+kept alive, its claims written there, the keys it does not hold looked up there.
+
+`FleetLink` is what the rest of the router sees of the directory: the control socket
+and the learner write claims through it (it is their `ClaimGate`), the public handler
+asks it what a key its table does not know means (`lookup`), and the service starts it
+and stops it (SIGTERM writes this incarnation's death certificate at once). It answers
+the heartbeat's FENCED (every claim held here turns 410 `worker_exited`, the router
+registers again) and LOST (it registers again and writes its table back), and writes
+the table back after a start (a journal's claims) and after an outage in which a sync
+could not be written. It never decides what a request gets: `meaning_of` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from router.core import ClaimState, RouterCore
+from router.directory import (
+    WITHOUT_AN_ANSWER,
+    ClaimOutcome,
+    ClaimVerdict,
+    Directory,
+    DirectoryError,
+    DirectorySettings,
+    HeartbeatLoop,
+    LookupResult,
+    Member,
+    RequestMeaning,
+    Standing,
+    TrackedLookups,
+    meaning_of,
+)
+
+log = logging.getLogger("episode_router.fleet")
+
+# A directory unreachable at start, or after a lost registration, is tried this often:
+# local hits go on meanwhile, misses get 503 `recovering`, claims `directory_unavailable`.
+REGISTER_RETRY_S: Final = 1.0
+# Keys per claim or release call when the whole table is written back.
+WRITE_BACK_CHUNK: Final = 256
+
+
+@dataclass(slots=True)
+class FleetCounts:
+    """What the link counted, for the metrics (read at scrape time)."""
+
+    lookups: dict[str, int] = field(default_factory=dict)  # by RequestMeaning value
+    directory_errors: dict[str, int] = field(default_factory=dict)  # by call
+    fenced: int = 0
+    lost: int = 0
+    registrations: int = 0
+    written_back: int = 0
+    declared_exited: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """What a key the local table does not know means, and where its owner listens."""
+
+    meaning: RequestMeaning
+    result: LookupResult | None = None
+
+    @property
+    def receiver(self) -> str:
+        """The owner's incarnation, as the peer header names it."""
+        owner = self.result.owner if self.result is not None else None
+        return f"{owner.router_id}:{owner.epoch}" if owner is not None else ""
+
+
+UNANSWERED: Final = Lookup(WITHOUT_AN_ANSWER)
+
+
+class FleetLink:
+    """The directory as one router process uses it (see the module docstring)."""
+
+    def __init__(
+        self,
+        directory: Directory,
+        core: RouterCore,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        close_redis: Callable[[], object] | None = None,
+    ) -> None:
+        self.directory = directory
+        self.settings: DirectorySettings = directory.settings
+        self.core = core
+        self._clock = clock
+        self._close_redis = close_redis
+        self.heartbeat = HeartbeatLoop(directory, self._standing_lost)
+        self.counts = FleetCounts()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._registering: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.members: tuple[Member, ...] = ()
+        # The tracked lookup connection and its cache (standalone Redis), if any.
+        self.tracking: TrackedLookups | None = None
+
+    # -- start and stop -------------------------------------------------------------
+
+    @property
+    def router_id(self) -> str:
+        return self.settings.router_id
+
+    @property
+    def incarnation(self) -> str:
+        """This router's current incarnation as the peer header names it ("" before
+        the first registration)."""
+        epoch = self.directory.epoch
+        return f"{self.router_id}:{epoch}" if epoch is not None else ""
+
+    @property
+    def registered(self) -> bool:
+        return self.directory.epoch is not None
+
+    def start(self) -> None:
+        """Register (retried in the background while the directory cannot be reached),
+        then write the local table back and keep the lease alive."""
+        self._registering = asyncio.get_running_loop().create_task(
+            self._register_until_done(), name="directory-register"
+        )
+        if self.tracking is not None:
+            self.tracking.start()
+
+    async def stop(self) -> None:
+        """SIGTERM: this incarnation's certificate at once (its keys 410 fleet-wide, not
+        after a lease), the heartbeat stopped, the connections closed."""
+        self._stopping = True
+        if self._registering is not None:
+            self._registering.cancel()
+            await asyncio.gather(self._registering, return_exceptions=True)
+        await self.heartbeat.stop()
+        if self.registered:
+            try:
+                await self.directory.retire("sigterm")
+            except DirectoryError as error:
+                log.warning("could not retire from the directory (its lease lapses): %s", error)
+        if self.tracking is not None:
+            await self.tracking.stop()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.directory.close()
+        if self._close_redis is not None:
+            closed = self._close_redis()
+            if asyncio.iscoroutine(closed):
+                await closed
+
+    async def wait_registered(self, timeout_s: float) -> bool:
+        """Whether the first registration is done within `timeout_s` (for tests)."""
+        task = self._registering
+        if task is None:
+            return self.registered
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.shield(task)
+        except TimeoutError:
+            return False
+        return self.registered
+
+    async def _register_until_done(self) -> None:
+        while not self._stopping:
+            try:
+                await self.directory.load_scripts()
+                registration = await self.directory.register()
+            except DirectoryError as error:
+                self._count_error("register")
+                log.warning("directory registration failed (retrying): %s", error)
+                await asyncio.sleep(REGISTER_RETRY_S)
+                continue
+            self.counts.registrations += 1
+            log.info(
+                "registered in the directory",
+                extra={"router_id": self.router_id, "epoch": registration.epoch},
+            )
+            await self.write_back()
+            self.heartbeat.start()
+            return
+
+    async def _standing_lost(self, standing: Standing) -> None:
+        """The heartbeat found this incarnation FENCED or LOST (design §10)."""
+        if standing is Standing.FENCED:
+            self.counts.fenced += 1
+            # Paused or cut off past its lease: the fleet answered its keys 410 already.
+            exited = self.core.declare_exited(
+                [(c.kind, c.key) for c in self.core.claims.held()], self._clock()
+            )
+            self.counts.declared_exited += exited
+            log.warning("fenced by the directory: its claims are 410 now", extra={"claims": exited})
+            try:
+                await self.directory.retire("fenced")
+            except DirectoryError as error:
+                log.warning("could not write the fenced certificate: %s", error)
+        else:
+            self.counts.lost += 1
+            log.warning("the directory lost this router's registration: writing the table back")
+        self.directory.epoch = None
+        self._registering = asyncio.get_running_loop().create_task(
+            self._register_until_done(), name="directory-register"
+        )
+
+    # -- the table written back ---------------------------------------------------------
+
+    async def write_back(self) -> None:
+        """Write the local table into the directory: held keys claimed (a key the fleet
+        holds dead or ended, or another router holds, turns 410 here), ended ones
+        released. After a start (a journal's claims), a LOST, and an outage."""
+        held = [(c.kind, c.key) for c in self.core.claims.held()]
+        ended = [
+            (c.kind, c.key) for c in self.core.claims.tombstones() if c.state is ClaimState.ENDED
+        ]
+        refused: list[tuple[str, str]] = []
+        try:
+            for start in range(0, len(held), WRITE_BACK_CHUNK):
+                chunk = held[start : start + WRITE_BACK_CHUNK]
+                outcomes = await self.directory.claim(chunk)
+                refused.extend(
+                    pair
+                    for pair, outcome in zip(chunk, outcomes, strict=True)
+                    if outcome.verdict is not ClaimVerdict.CLAIMED
+                )
+            for start in range(0, len(ended), WRITE_BACK_CHUNK):
+                await self.directory.release(ended[start : start + WRITE_BACK_CHUNK])
+        except DirectoryError as error:
+            self._count_error("write_back")
+            log.warning("writing the table back failed (next registration retries): %s", error)
+            return
+        if refused:
+            self.counts.declared_exited += self.core.declare_exited(refused, self._clock())
+            log.warning(
+                "claims the directory holds dead or elsewhere are 410 here",
+                extra={"claims": len(refused)},
+            )
+        self.counts.written_back += len(held) + len(ended)
+
+    # -- the claim gate -------------------------------------------------------------------
+
+    async def claim(self, kind: str, key: str) -> ClaimOutcome:
+        """ClaimGate: write this router's owner record of `key`."""
+        try:
+            return await self.directory.claim_one(kind, key)
+        except DirectoryError:
+            self._count_error("claim")
+            raise
+
+    def released(self, kind: str, key: str) -> None:
+        """ClaimGate: mark `key`'s record ended, in the background."""
+        if not self.registered:
+            return  # written back with the table once registered again
+        task = asyncio.get_running_loop().create_task(self._release(kind, key))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _release(self, kind: str, key: str) -> None:
+        try:
+            await self.directory.release_one(kind, key)
+        except DirectoryError as error:
+            # The local table stays the authority: a record still held answers from it.
+            self._count_error("release")
+            log.debug("directory release failed: %s", error)
+
+    # -- the request path ------------------------------------------------------------------
+
+    async def lookup(self, kind: str, key: str) -> Lookup:
+        """What a key the local table does not know means (never raises)."""
+        epoch = self.directory.epoch
+        if epoch is None:
+            self._count_lookup(WITHOUT_AN_ANSWER)
+            return UNANSWERED
+        try:
+            found = await self.directory.lookup_one(kind, key)
+        except DirectoryError:
+            self._count_error("lookup")
+            self._count_lookup(WITHOUT_AN_ANSWER)
+            return UNANSWERED
+        meaning = meaning_of(
+            found.result, found.fleet, self.router_id, epoch, self.settings.lease_ms
+        )
+        self._count_lookup(meaning)
+        return Lookup(meaning, found.result)
+
+    async def refresh_members(self) -> Sequence[Member]:
+        """The membership, for /admin/routers and status."""
+        self.members = await self.directory.members()
+        return self.members
+
+    def _count_lookup(self, meaning: RequestMeaning) -> None:
+        counts = self.counts.lookups
+        counts[meaning.value] = counts.get(meaning.value, 0) + 1
+
+    def _count_error(self, call: str) -> None:
+        errors = self.counts.directory_errors
+        errors[call] = errors.get(call, 0) + 1

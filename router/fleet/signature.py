@@ -1,0 +1,96 @@
+"""The peer hop's signature (design §10, the request path, step 3): pure.
+
+A router that forwards a request to the router holding its key adds
+`X-Episode-Router-Peer: sender=<id>:<epoch>;receiver=<id>:<epoch>;ts=<ms>;sig=<hex>`,
+the signature an HMAC-SHA256 (the fleet's `peer` secret) over the method, the request
+target, the session kind and key, the sender, the receiver and the timestamp. The
+receiving router reads the session again from the request itself and checks the
+signature against what it read: a header moved to another request, or another key,
+does not verify. The standard library's hmac does the cryptography; this module only
+frames what is signed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+from typing import Final
+
+PEER_HEADER: Final = "X-Episode-Router-Peer"
+# Two routers' clocks (NTP-synchronised in a cluster) agree far better than this; a
+# captured hop replays for at most this long, and only as the same request.
+MAX_CLOCK_SKEW_MS: Final = 30_000
+_SIGNATURE_HEX: Final = 64
+
+
+@dataclass(frozen=True, slots=True)
+class PeerHop:
+    """A verified hop: who sent it and which incarnation it was meant for."""
+
+    sender: str  # "<router id>:<epoch>"
+    receiver: str
+
+
+def _digest(
+    secret: bytes,
+    method: str,
+    target: str,
+    session: tuple[str, str] | None,
+    sender: str,
+    receiver: str,
+    timestamp_ms: int,
+) -> str:
+    kind, key = session if session is not None else ("", "")
+    # NUL-separated: no field holds one (a request target or header value cannot), so
+    # fields never run together into another request's.
+    message = "\0".join((method, target, kind, key, sender, receiver, str(timestamp_ms)))
+    return hmac.new(secret, message.encode("utf-8", "surrogateescape"), hashlib.sha256).hexdigest()
+
+
+def sign(
+    secret: bytes,
+    method: str,
+    target: str,
+    session: tuple[str, str] | None,
+    sender: str,
+    receiver: str,
+    timestamp_ms: int,
+) -> str:
+    """The header value for one hop."""
+    signature = _digest(secret, method, target, session, sender, receiver, timestamp_ms)
+    return f"sender={sender};receiver={receiver};ts={timestamp_ms};sig={signature}"
+
+
+def verify(
+    secret: bytes,
+    value: str | None,
+    method: str,
+    target: str,
+    session: tuple[str, str] | None,
+    now_ms: int,
+) -> PeerHop | str:
+    """The hop `value` signs, or why it is refused (missing, malformed, stale, forged)."""
+    if value is None:
+        return f"no {PEER_HEADER} header: the peer listener takes only signed hops"
+    fields: dict[str, str] = {}
+    for part in value.split(";"):
+        name, sep, text = part.partition("=")
+        if not sep or name in fields:
+            return f"a malformed {PEER_HEADER} header"
+        fields[name] = text
+    if set(fields) != {"sender", "receiver", "ts", "sig"}:
+        return f"a malformed {PEER_HEADER} header"
+    stamp, signature = fields["ts"], fields["sig"]
+    if not (stamp.isascii() and stamp.isdigit() and len(stamp) <= 16):
+        return f"a malformed {PEER_HEADER} timestamp"
+    if len(signature) != _SIGNATURE_HEX:
+        return f"a malformed {PEER_HEADER} signature"
+    timestamp_ms = int(stamp)
+    sender, receiver = fields["sender"], fields["receiver"]
+    expected = _digest(secret, method, target, session, sender, receiver, timestamp_ms)
+    if not hmac.compare_digest(expected, signature):
+        return "the hop's signature does not match this request"
+    if abs(now_ms - timestamp_ms) > MAX_CLOCK_SKEW_MS:
+        return "the hop's timestamp is stale"
+    return PeerHop(sender, receiver)
