@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from typing import Any
 
 from router.build import build_name
 from router.config import (
@@ -211,10 +212,16 @@ def _status(args: argparse.Namespace) -> int:
     except (urllib.error.URLError, OSError, ValueError) as exc:
         print(f"episode-router: cannot read {url}: {exc}", file=sys.stderr)
         return 1
+    fleet = _read_fleet(request, args.admin.rstrip("/") + "/admin/routers")
+    if fleet is not None:
+        data["routers"] = fleet
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
     print(format_status(data["workers"]))
+    if fleet is not None:
+        print()
+        print(format_fleet(fleet))
     for kind, misses in sorted(data.get("learn_misses", {}).items()):
         print(
             f"warning: {misses} seed repl{'y' if misses == 1 else 'ies'} named no session "
@@ -224,9 +231,46 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_fleet(workers_request: urllib.request.Request, url: str) -> dict[str, Any] | None:
+    """`/admin/routers`, or None for a router without a directory (404) or one whose
+    answer cannot be read (the workers' table is shown all the same)."""
+    request = urllib.request.Request(url, headers=dict(workers_request.header_items()))
+    try:
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            found: dict[str, Any] = json.load(reply)
+            return found
+    except urllib.error.HTTPError as error:
+        if error.code == 503:  # the directory did not answer: what the router knows
+            unreachable: dict[str, Any] = json.load(error)
+            return unreachable
+        return None
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
 def format_status(workers: list[dict[str, object]]) -> str:
     columns = ("id", "state", "draining", "claims", "in_flight", "pid", "url")
-    rows = [columns] + [tuple(str(w.get(c, "")) for c in columns) for w in workers]
+    return _table(columns, [tuple(str(w.get(c, "")) for c in columns) for w in workers])
+
+
+def format_fleet(fleet: dict[str, Any]) -> str:
+    """This router's place in the fleet, then every router the directory lists."""
+    head = (
+        f"fleet: this router {fleet.get('router_id')} epoch {fleet.get('epoch')} "
+        f"({'registered' if fleet.get('registered') else 'not registered'}), "
+        f"peer {fleet.get('peer')}"
+    )
+    if "members" not in fleet:
+        return f"{head}\ndirectory unreachable: {fleet.get('detail', '')}"
+    columns = ("router_id", "epoch", "alive", "peer", "lease_deadline_ms")
+    members = fleet["members"]
+    return (
+        head + "\n" + _table(columns, [tuple(str(m.get(c, "")) for c in columns) for m in members])
+    )
+
+
+def _table(columns: tuple[str, ...], cells: list[tuple[str, ...]]) -> str:
+    rows = [columns, *cells]
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     return "\n".join(
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()

@@ -223,8 +223,10 @@ class PublicHandler(ExchangeOwner):
             round(self._wall_clock() * 1000),
         )
         if isinstance(hop, str):
+            fleet.counts.refused_hop("signature")
             return peer_refused(hop, key)
         if hop.receiver != fleet.incarnation:
+            fleet.counts.refused_hop("not_owner")
             return not_owner(key)
         return None
 
@@ -280,6 +282,7 @@ class PublicHandler(ExchangeOwner):
             round(self._wall_clock() * 1000),
         )
         _continue_if_expected(request)
+        counts = fleet.counts
         try:
             exchange.status = await self.forwarder.forward(
                 request,
@@ -292,16 +295,21 @@ class PublicHandler(ExchangeOwner):
             failure = as_value(raised)
             if exchange.failed_by_client(failure):
                 return
-            if failure.request_sent and failure.kind == "timeout":
+            if not failure.request_sent:
+                counts.peer_forward("owner_unreachable")
+                exchange.answer(owner_unreachable(key))
+                return
+            counts.peer_forward("failed")
+            if failure.kind == "timeout":
                 exchange.answer(
-                    Answer("upstream_timeout", "The worker did not answer in time.", key)
+                    Answer("upstream_timeout", "The owner did not answer in time.", key)
                 )
-            elif failure.request_sent:
+            else:
                 exchange.answer(
                     Answer("upstream_error", f"The owner failed: {failure.detail}", key)
                 )
-            else:
-                exchange.answer(owner_unreachable(key))
+            return
+        counts.peer_forward("forwarded")
 
     def _peer_upstream(self, address: str) -> Upstream:
         """The peer listener at `address` as the relay pools it (one pool per peer)."""

@@ -14,6 +14,7 @@ could not be written. It never decides what a request gets: `meaning_of` does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +37,7 @@ from router.directory import (
     TrackedLookups,
     meaning_of,
 )
+from router.metrics import FleetFigures
 
 log = logging.getLogger("episode_router.fleet")
 
@@ -57,6 +59,16 @@ class FleetCounts:
     registrations: int = 0
     written_back: int = 0
     declared_exited: int = 0
+    peer_forwards: dict[str, int] = field(default_factory=dict)  # by outcome
+    peer_refused: dict[str, int] = field(default_factory=dict)  # by reason
+    lookup_seconds_count: int = 0
+    lookup_seconds_sum: float = 0.0
+
+    def peer_forward(self, outcome: str) -> None:
+        self.peer_forwards[outcome] = self.peer_forwards.get(outcome, 0) + 1
+
+    def refused_hop(self, reason: str) -> None:
+        self.peer_refused[reason] = self.peer_refused.get(reason, 0) + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +108,7 @@ class FleetLink:
         self.counts = FleetCounts()
         self._tasks: set[asyncio.Task[None]] = set()
         self._registering: asyncio.Task[None] | None = None
+        self._watching: asyncio.Task[None] | None = None
         self._stopping = False
         self.members: tuple[Member, ...] = ()
         # The tracked lookup connection and its cache (standalone Redis), if any.
@@ -135,6 +148,9 @@ class FleetLink:
             self._registering.cancel()
             await asyncio.gather(self._registering, return_exceptions=True)
         await self.heartbeat.stop()
+        if self._watching is not None:
+            self._watching.cancel()
+            await asyncio.gather(self._watching, return_exceptions=True)
         if self.registered:
             try:
                 await self.directory.retire("sigterm")
@@ -180,7 +196,19 @@ class FleetLink:
             )
             await self.write_back()
             self.heartbeat.start()
+            if self._watching is None:
+                self._watching = asyncio.get_running_loop().create_task(
+                    self._watch_members(), name="directory-members"
+                )
             return
+
+    async def _watch_members(self) -> None:
+        """The membership read once a heartbeat interval, for the members gauge."""
+        while True:
+            # A failure is counted by the heartbeat's and the requests' own calls.
+            with contextlib.suppress(DirectoryError):
+                await self.refresh_members()
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     async def _standing_lost(self, standing: Standing) -> None:
         """The heartbeat found this incarnation FENCED or LOST (design §10)."""
@@ -272,12 +300,16 @@ class FleetLink:
         if epoch is None:
             self._count_lookup(WITHOUT_AN_ANSWER)
             return UNANSWERED
+        started = self._clock()
         try:
             found = await self.directory.lookup_one(kind, key)
         except DirectoryError:
             self._count_error("lookup")
             self._count_lookup(WITHOUT_AN_ANSWER)
             return UNANSWERED
+        finally:
+            self.counts.lookup_seconds_count += 1
+            self.counts.lookup_seconds_sum += self._clock() - started
         meaning = meaning_of(
             found.result, found.fleet, self.router_id, epoch, self.settings.lease_ms
         )
@@ -285,9 +317,27 @@ class FleetLink:
         return Lookup(meaning, found.result)
 
     async def refresh_members(self) -> Sequence[Member]:
-        """The membership, for /admin/routers and status."""
+        """The membership, for /admin/routers and status (raises DirectoryError)."""
         self.members = await self.directory.members()
         return self.members
+
+    def figures(self) -> FleetFigures:
+        """What the link counted, for the metrics."""
+        counts = self.counts
+        now_ms = time.time() * 1000  # leases are the directory's clock: near enough to show
+        live = sum(1 for member in self.members if member.lease_deadline_ms > now_ms)
+        return FleetFigures(
+            lookups=counts.lookups,
+            directory_errors=counts.directory_errors,
+            peer_forwards=counts.peer_forwards,
+            peer_refused=counts.peer_refused,
+            registered=self.registered,
+            fenced=counts.fenced,
+            lost=counts.lost,
+            members=live,
+            lookup_seconds_count=counts.lookup_seconds_count,
+            lookup_seconds_sum=counts.lookup_seconds_sum,
+        )
 
     def _count_lookup(self, meaning: RequestMeaning) -> None:
         counts = self.counts.lookups

@@ -5,11 +5,13 @@ at scrape time.
 from __future__ import annotations
 
 from router.metrics.edge import EdgeCounts
+from router.metrics.fleet import FleetFigures
 from router.metrics.labels import CLIENT_CLOSED
 from router.metrics.registry import RouterMetrics
 
 __all__ = [
     "CLIENT_CLOSED",
     "EdgeCounts",
+    "FleetFigures",
     "RouterMetrics",
 ]

@@ -34,6 +34,7 @@ from router.core import STATUS_BY_CODE
 from router.metrics.buffers import BufferCollector, BufferFigures
 from router.metrics.counts import HotCollector
 from router.metrics.edge import EdgeCollector, EdgeCounts
+from router.metrics.fleet import FleetCollector, FleetFigures
 from router.metrics.labels import (
     CLASS_LABELS,
     CLIENT_CLOSED,
@@ -104,6 +105,7 @@ class RouterMetrics:
         self._workers_seen: set[str] = set()
         self._known_workers = workers
         self._edge_collector: EdgeCollector | None = None  # once the edge is up (watch_edge)
+        self._fleet_collector: FleetCollector | None = None  # with a directory (watch_fleet)
         self._define_event_metrics()
         self._prebind()
         self.registry.register(
@@ -309,6 +311,14 @@ class RouterMetrics:
             self.registry.unregister(self._edge_collector)
         self._edge_collector = EdgeCollector(counts)
         self.registry.register(self._edge_collector)
+
+    def watch_fleet(self, figures: Callable[[], FleetFigures]) -> None:
+        """Shows the fleet's directory and peer-hop figures (`figures()`, read at scrape
+        time) from now on: a router with a `directory:` section."""
+        if self._fleet_collector is not None:
+            self.registry.unregister(self._fleet_collector)
+        self._fleet_collector = FleetCollector(figures)
+        self.registry.register(self._fleet_collector)
 
     def render(self, accept: str = "") -> tuple[bytes, str]:
         """The exposition body and its Content-Type. The Prometheus text format,

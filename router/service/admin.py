@@ -21,6 +21,8 @@ from aiohttp import web
 
 from router.config import Config, ConfigError
 from router.core import RouterCore, Worker, WorkerState
+from router.directory import DirectoryError
+from router.fleet import FleetLink
 from router.metrics import RouterMetrics
 from router.protocol import is_ip, is_loopback_host, split_host_port
 from router.service.reload import ReloadPlan
@@ -36,6 +38,8 @@ class AdminBackend(Protocol):
     def core(self) -> RouterCore: ...
     @property
     def metrics(self) -> RouterMetrics: ...
+    @property
+    def fleet(self) -> FleetLink | None: ...
     def worker_pid(self, worker_id: str) -> int | None: ...
     async def reload_from_file(self) -> ReloadPlan: ...
 
@@ -56,6 +60,7 @@ def admin_application(service: AdminBackend) -> web.Application:
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/admin/workers", _workers)
+    app.router.add_get("/admin/routers", _routers)
     app.router.add_get("/admin/sessions/{kind}/{key}", _session)
     app.router.add_post("/admin/reload", _reload)
     app.router.add_post("/admin/workers/{id}/drain", _drain)
@@ -200,6 +205,41 @@ async def _workers(request: web.Request) -> web.Response:
     ]
     # Seed replies that named no session, by kind: a kind whose config cannot learn.
     return web.json_response({"workers": views, "learn_misses": dict(core.learn_misses)})
+
+
+async def _routers(request: web.Request) -> web.Response:
+    """The fleet as the directory sees it (design §10): this router's incarnation and
+    every router's current one, its lease and peer address, alive or not."""
+    fleet = request.app[_SERVICE].fleet
+    if fleet is None:
+        return web.json_response(
+            {"error": "no_directory", "detail": "This router has no `directory:` section."},
+            status=404,
+        )
+    view: dict[str, Any] = {
+        "router_id": fleet.router_id,
+        "epoch": fleet.directory.epoch,
+        "registered": fleet.registered,
+        "peer": fleet.settings.peer_address,
+    }
+    try:
+        members = await fleet.refresh_members()
+    except DirectoryError as error:
+        view["error"] = "directory_unavailable"
+        view["detail"] = str(error)
+        return web.json_response(view, status=503)
+    now_ms = time.time() * 1000
+    view["members"] = [
+        {
+            "router_id": member.router_id,
+            "epoch": member.epoch,
+            "lease_deadline_ms": member.lease_deadline_ms,
+            "peer": member.peer,
+            "alive": member.lease_deadline_ms > now_ms,
+        }
+        for member in members
+    ]
+    return web.json_response(view)
 
 
 def _by_id(worker: Worker) -> str:

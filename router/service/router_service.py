@@ -254,6 +254,7 @@ class RouterService:
             handler.peer_side = peer_side
         self.peer_handler = peer_handler
         self.fleet = fleet
+        self.metrics.watch_fleet(fleet.figures)
         fleet.start()
 
     def _open_journal(self, path: str) -> None:

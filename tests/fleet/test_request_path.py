@@ -1,0 +1,271 @@
+"""The request path of several routers on one directory (design §10), in-process.
+
+Two real `RouterService`s share a real redis-server; each has its own echo workers on
+loopback. A claim gets into the directory the way the router itself writes one (its
+own `Directory`), so these tests are about what a router does with a key its table does
+not know: the peer hop, the 410s, the 503s, and the peer listener's refusals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from router.config import Config, DirectoryConfig, PeerConfig
+from router.directory import Directory, DirectorySettings, open_redis
+from router.fleet import PEER_HEADER, sign
+from router.service.router_service import RouterService
+from tests.directory import conftest as directory_fixtures
+from tests.directory.conftest import RedisServer
+from tests.router_fixtures import (
+    TOKEN_HEADER,
+    EchoWorker,
+    Reply,
+    episode_key,
+    router_config,
+    token,
+    wait_until,
+)
+
+redis_server = directory_fixtures.redis_server  # the directory tests' own redis-server fixture
+LEASE_S = 1.5  # the shortest the config takes: a fleet settles, a lease lapses, quickly
+PEER_SECRET = secrets.token_hex(16)
+
+
+def fleet_config(tmp_path: Path, redis: RedisServer, router_id: str) -> Config:
+    folder = tmp_path / router_id
+    folder.mkdir()
+    config = router_config(folder)
+    return dataclasses.replace(
+        config,
+        directory=DirectoryConfig(url=redis.url, router_id=router_id, lease_ttl_s=LEASE_S),
+        peer=PeerConfig("127.0.0.1", 0, None, PEER_SECRET),
+    )
+
+
+def an_episode(ep: str) -> tuple[str, str]:
+    """A token for episode `ep` (attempt 0) and the key the router reads from it."""
+    return token(ep), episode_key(ep, 0)
+
+
+class Fleet:
+    """Two routers, each with one echo worker, and an HTTP client."""
+
+    def __init__(self, stack: AsyncExitStack, http: aiohttp.ClientSession) -> None:
+        self.stack = stack
+        self.http = http
+        self.routers: dict[str, RouterService] = {}
+        self.workers: dict[str, EchoWorker] = {}
+
+    async def start(self, tmp_path: Path, redis: RedisServer, router_id: str) -> RouterService:
+        service = RouterService(fleet_config(tmp_path, redis, router_id))
+        await service.start()
+        self.stack.push_async_callback(self._stop, service)
+        assert service.fleet is not None
+        assert await service.fleet.wait_registered(5.0)
+        worker = EchoWorker(f"{router_id}-w0", service.config.control.socket)
+        await worker.serve()
+        self.stack.push_async_callback(worker.close)
+        await worker.connect()
+        self.routers[router_id] = service
+        self.workers[router_id] = worker
+        return service
+
+    async def _stop(self, service: RouterService) -> None:
+        if not service.handler.shutting_down:
+            await service.stop()
+
+    async def episode_on(self, router_id: str) -> tuple[str, str]:
+        """A new episode held by `router_id`'s worker, written into the directory as that
+        router writes its claims: its token and key."""
+        tok, key = an_episode(secrets.token_hex(6))
+        await self.workers[router_id].claim(key)
+        fleet = self.routers[router_id].fleet
+        assert fleet is not None
+        (outcome,) = await fleet.directory.claim([("episode", key)])
+        assert outcome.verdict.value == "ok", outcome
+        return tok, key
+
+    async def call(self, router_id: str, tok: str | None, path: str = "/tools/get") -> Reply:
+        port = self.routers[router_id].public_port
+        headers = {TOKEN_HEADER: tok} if tok is not None else {}
+        async with self.http.post(f"http://127.0.0.1:{port}{path}", headers=headers) as reply:
+            return Reply(reply.status, reply.headers, await reply.read())
+
+    async def call_peer(self, router_id: str, headers: dict[str, str]) -> Reply:
+        port = self.routers[router_id].peer_port
+        async with self.http.post(f"http://127.0.0.1:{port}/tools/get", headers=headers) as reply:
+            return Reply(reply.status, reply.headers, await reply.read())
+
+
+@pytest.fixture
+async def fleet(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[Fleet]:
+    async with AsyncExitStack() as stack:
+        http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        stack.push_async_callback(http.close)
+        fleet = Fleet(stack, http)
+        await fleet.start(tmp_path, redis_server, "r1")
+        await fleet.start(tmp_path, redis_server, "r2")
+        yield fleet
+
+
+async def settled(fleet: Fleet) -> None:
+    """Waits out the fleet's first lease: before it, an absent key is 503 recovering."""
+    await asyncio.sleep(LEASE_S + 0.1)
+
+
+async def test_a_peers_episode_is_forwarded_to_its_worker_and_stripped_of_the_hop(
+    fleet: Fleet,
+) -> None:
+    tok, _ = await fleet.episode_on("r1")
+    for router_id in ("r1", "r2", "r2", "r1"):
+        reply = await fleet.call(router_id, tok)
+        assert reply.status == 200, reply
+        assert reply.worker == "r1-w0"
+    seen = fleet.workers["r1"].seen[-1]
+    # The hop is the routers' own: the worker never sees it.
+    assert all(name.lower() != PEER_HEADER.lower() for name, _ in seen.headers)
+    r2 = fleet.routers["r2"].fleet
+    assert r2 is not None and r2.counts.peer_forwards == {"forwarded": 2}
+    assert r2.counts.lookups == {"peer": 2}  # each a lookup: held ones are never cached
+
+
+async def test_an_absent_key_is_503_while_the_fleet_repopulates_then_401(fleet: Fleet) -> None:
+    unknown, key = an_episode("never-claimed")
+    first = await fleet.call("r2", unknown)
+    # The fleet record is younger than a lease: an absent key may be one not written back.
+    first.assert_answer(503, "recovering", key)
+    assert first.headers["Retry-After"] == "1"
+    await settled(fleet)
+    later = await fleet.call("r2", unknown)
+    later.assert_answer(401, "unknown_episode", key)
+
+
+async def test_an_episode_released_on_its_router_is_410_ended_on_every_router(
+    fleet: Fleet,
+) -> None:
+    tok, key = await fleet.episode_on("r1")
+    await fleet.workers["r1"].release_key(key)
+    fleet_r1 = fleet.routers["r1"].fleet
+    assert fleet_r1 is not None
+    await fleet_r1.directory.release([("episode", key)])
+    (await fleet.call("r1", tok)).assert_answer(410, "episode_ended", key)
+    (await fleet.call("r2", tok)).assert_answer(410, "episode_ended", key)
+
+
+async def test_a_router_that_stops_leaves_its_episodes_410_everywhere_at_once(
+    fleet: Fleet,
+) -> None:
+    tok, key = await fleet.episode_on("r1")
+    assert (await fleet.call("r2", tok)).status == 200
+    started = time.monotonic()
+    await fleet.routers["r1"].stop()  # SIGTERM: the certificate is written first
+    reply = await fleet.call("r2", tok)
+    reply.assert_answer(410, "worker_exited", key)
+    assert time.monotonic() - started < 1.0 + fleet.routers["r1"].config.timeouts.shutdown_grace_s
+
+
+async def test_a_live_owner_that_cannot_be_reached_is_503_then_410_once_its_lease_lapses(
+    fleet: Fleet, redis_server: RedisServer
+) -> None:
+    # A router registered at an address where nothing listens, then silent: its lease
+    # runs for LEASE_S, during which its keys are 503 owner_unreachable.
+    ghost = Directory(
+        open_redis(redis_server.url),
+        DirectorySettings(router_id="ghost", peer_address="127.0.0.1:9", lease_ttl_s=LEASE_S),
+    )
+    await ghost.register()
+    tok, key = an_episode("ghostly")
+    (outcome,) = await ghost.claim([("episode", key)])
+    assert outcome.verdict.value == "ok"
+    (await fleet.call("r2", tok)).assert_answer(503, "owner_unreachable", key)
+
+    async def dead() -> bool:
+        return (await fleet.call("r2", tok)).status == 410
+
+    waited = await wait_until(dead, "the ghost's lease to lapse", timeout_s=LEASE_S * 3)
+    assert waited <= LEASE_S + 1.0
+    (await fleet.call("r1", tok)).assert_answer(410, "worker_exited", key)
+    r2 = fleet.routers["r2"].fleet
+    assert r2 is not None and r2.counts.peer_forwards.get("owner_unreachable", 0) >= 1
+
+
+async def test_the_peer_listener_takes_only_signed_hops_for_this_incarnation(
+    fleet: Fleet,
+) -> None:
+    tok, key = await fleet.episode_on("r1")
+    r1 = fleet.routers["r1"].fleet
+    assert r1 is not None
+    base = {TOKEN_HEADER: tok}
+    (await fleet.call_peer("r1", base)).assert_answer(403, "peer_refused", key)
+    now_ms = round(time.time() * 1000)
+
+    def hop(receiver: str, *, secret: str = PEER_SECRET, ts: int = now_ms, k: str = key) -> str:
+        return sign(secret.encode(), "POST", "/tools/get", ("episode", k), "r2:1", receiver, ts)
+
+    good = await fleet.call_peer("r1", {**base, PEER_HEADER: hop(r1.incarnation)})
+    assert good.status == 200 and good.worker == "r1-w0"
+    forged = await fleet.call_peer(
+        "r1", {**base, PEER_HEADER: hop(r1.incarnation, secret="x" * 32)}
+    )
+    forged.assert_answer(403, "peer_refused", key)
+    stale = await fleet.call_peer(
+        "r1", {**base, PEER_HEADER: hop(r1.incarnation, ts=now_ms - 60_000)}
+    )
+    stale.assert_answer(403, "peer_refused", key)
+    moved = await fleet.call_peer("r1", {**base, PEER_HEADER: hop(r1.incarnation, k="another")})
+    moved.assert_answer(403, "peer_refused", key)  # signed for another key
+    earlier = await fleet.call_peer("r1", {**base, PEER_HEADER: hop("r1:1")})
+    earlier.assert_answer(421, "not_owner", key)
+    assert r1.counts.peer_refused == {"signature": 4, "not_owner": 1}
+
+
+async def test_a_paused_directory_keeps_local_hits_and_answers_misses_503(
+    fleet: Fleet, redis_server: RedisServer
+) -> None:
+    tok, key = await fleet.episode_on("r1")
+    await settled(fleet)
+    redis_server.pause()
+    try:
+        local = await fleet.call("r1", tok)
+        assert local.status == 200 and local.worker == "r1-w0"
+        started = time.monotonic()
+        miss = await fleet.call("r2", tok)
+        miss.assert_answer(503, "recovering", key)
+        assert time.monotonic() - started < 1.0  # the lookup's own deadline (50 ms)
+    finally:
+        redis_server.resume()
+
+    async def forwarded_again() -> bool:
+        return (await fleet.call("r2", tok)).status == 200
+
+    await wait_until(forwarded_again, "the directory to answer again", timeout_s=5.0)
+
+
+async def test_admin_routers_and_the_metrics_show_the_fleet(fleet: Fleet) -> None:
+    service = fleet.routers["r2"]
+    port = service.admin_port
+    async with fleet.http.get(f"http://127.0.0.1:{port}/admin/routers") as reply:
+        assert reply.status == 200
+        view = await reply.json()
+    assert view["router_id"] == "r2" and view["registered"] is True
+    assert {m["router_id"] for m in view["members"]} == {"r1", "r2"}
+    assert all(m["alive"] for m in view["members"])
+    r1_peer = f"127.0.0.1:{fleet.routers['r1'].peer_port}"
+    assert {m["peer"] for m in view["members"] if m["router_id"] == "r1"} == {r1_peer}
+    tok, _ = await fleet.episode_on("r1")
+    assert (await fleet.call("r2", tok)).status == 200
+    async with fleet.http.get(f"http://127.0.0.1:{port}/metrics") as reply:
+        text = await reply.text()
+    assert 'episode_router_directory_lookups_total{result="peer"} 1.0' in text
+    assert 'episode_router_peer_forwards_total{outcome="forwarded"} 1.0' in text
+    assert "episode_router_directory_registered 1.0" in text
+    assert "episode_router_directory_lookup_seconds_count 1.0" in text
