@@ -25,6 +25,7 @@ from router.app.exchange import (
     failure_answer,
 )
 from router.core import Answer, Forward, RouterCore, Worker
+from router.directory.gate import ClaimGate
 from router.edge import BodyBroken, PublicRequest, framing_problem
 from router.metrics import RouterMetrics
 from router.relay import Forwarder, UpstreamFailure, as_value
@@ -54,8 +55,12 @@ class PublicHandler(ExchangeOwner):
         access_log: bool = False,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        claim_gate: ClaimGate | None = None,
     ) -> None:
         self.core = core
+        # With a claims directory, a learned claim is written there before its reply is
+        # relayed (design §10); None: the local table's alone.
+        self.claim_gate = claim_gate
         self.sessions = sessions
         self.forwarder = forwarder
         # Probes a worker whose forward failed and retires it if nothing listens.
@@ -389,6 +394,7 @@ class PublicHandler(ExchangeOwner):
             clock=self._clock,
             wall_clock=self._wall_clock,
             metrics=self.metrics,
+            gate=self.claim_gate,
         )
 
 
