@@ -158,6 +158,13 @@ def failure_answer(failure: UpstreamFailure, gone: bool, decision: Forward) -> A
     is gone is 410 worker_exited; otherwise 502, or 504 on a timeout. A worker whose
     connections are all busy is 503 worker_busy (design §1)."""
     session = decision.session
+    if failure.kind == "directory":
+        return Answer(
+            "recovering",
+            "The claims directory did not take the session this reply created; retry shortly.",
+            session,
+            retry_after_s=1.0,
+        )
     if failure.kind == "busy":
         return Answer(
             "worker_busy",

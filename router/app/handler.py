@@ -25,7 +25,7 @@ from router.app.exchange import (
     failure_answer,
 )
 from router.core import Answer, Forward, RouterCore, Worker
-from router.directory import RequestMeaning
+from router.directory import ClaimGate, RequestMeaning
 from router.edge import BodyBroken, PublicRequest, framing_problem
 from router.fleet import (
     PEER_HEADER,
@@ -68,8 +68,12 @@ class PublicHandler(ExchangeOwner):
         access_log: bool = False,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        claim_gate: ClaimGate | None = None,
     ) -> None:
         self.core = core
+        # With a claims directory, a learned claim is written there before its reply is
+        # relayed (design §10); None: the local table's alone.
+        self.claim_gate = claim_gate
         self.sessions = sessions
         self.forwarder = forwarder
         # Probes a worker whose forward failed and retires it if nothing listens.
@@ -430,6 +434,11 @@ class PublicHandler(ExchangeOwner):
                 return
             if exchange.failed_by_client(outcome):
                 return
+            if outcome.kind == "directory":
+                # The worker answered; the directory did not take the session its reply
+                # created (design §10): 503, the worker not blamed, and no other worker
+                # tried (this one ran the request).
+                return exchange.answer(failure_answer(outcome, False, decision))
             if outcome.kind == "busy":
                 # The router's own crowding (the worker's pool, or its share for streamed
                 # exchanges, is full): the worker is not blamed, probed or counted failing.
@@ -545,6 +554,7 @@ class PublicHandler(ExchangeOwner):
             clock=self._clock,
             wall_clock=self._wall_clock,
             metrics=self.metrics,
+            gate=self.claim_gate,
         )
 
 

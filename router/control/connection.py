@@ -13,6 +13,14 @@ claims and releases by `ControlSession`'s fast path, which is what lets a
 pipelining worker reach over a hundred thousand claims a second. Lines are
 answered only while the unsent replies stay under WRITE_BUFFER_HIGH: the rest
 of a read waits, unread, until the peer has read enough.
+
+With a claims directory (a `ClaimGate`, design §10) some replies wait for it: they
+take their place in an ordered outbox, the claims of one read go to the gate in one
+loop turn (one task each; the directory batches them), and the outbox's ready prefix
+is applied and written as soon as it is ready, so replies keep request order. Lines
+go on being read and answered meanwhile, until MAX_WAITING_REPLIES wait: then the
+connection is read no further until they drain. The gate bounds each wait
+(`directory.claim_timeout_s`); the connection keeps no timer of its own per claim.
 """
 
 from __future__ import annotations
@@ -21,11 +29,16 @@ import asyncio
 import logging
 import socket
 import struct
+from collections import deque
 from typing import Protocol, cast
 
 from router.control.session import ControlPolicy, ControlSession, Peer
+from router.control.waiting import MAX_WAITING_REPLIES, GateAnswer, WaitingReply
 from router.core import RouterCore
-from router.protocol import MAX_LINE_BYTES, decode_line, encode_line, error_reply
+from router.directory.errors import DirectoryError, DirectoryUnavailable
+from router.directory.gate import ClaimGate
+from router.directory.records import ClaimOutcome
+from router.protocol import MAX_LINE_BYTES, Reply, decode_line, encode_line, error_reply
 
 __all__ = [
     "CLOSE_DRAIN_S",
@@ -72,6 +85,8 @@ class AcceptingServer(Protocol):
     @property
     def hello_deadline_s(self) -> float: ...
     @property
+    def claim_gate(self) -> ClaimGate | None: ...
+    @property
     def waiting_for_hello(self) -> set[ControlConnection]: ...
     def refusal_of_a_new_connection(self) -> str | None: ...
     def clock(self) -> float: ...
@@ -98,12 +113,22 @@ class ControlConnection(asyncio.Protocol):
         # is accepted (and again after a bye), MAX_LINE_BYTES while it holds a lease.
         self._line_limit = HELLO_LINE_BYTES
         self.closed = asyncio.get_running_loop().create_future()
+        # With a gate: replies not written yet because one before them (or they
+        # themselves) wait for the directory, in request order; the gate calls in
+        # flight (referenced until done); whether a settle is scheduled; and whether
+        # reading stopped because MAX_WAITING_REPLIES wait.
+        self._outbox: deque[bytes | WaitingReply] = deque()
+        self._gate_calls: set[asyncio.Task[None]] = set()
+        self._settle_scheduled = False
+        self._outbox_full = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but behave as one.
         self.transport = cast(asyncio.Transport, transport)
         server = self._server
-        self.session = ControlSession(server.core, server.policy, peer_of(transport))
+        self.session = ControlSession(
+            server.core, server.policy, peer_of(transport), server.claim_gate
+        )
         # While more than WRITE_BUFFER_HIGH of replies is unsent, pause_writing stops
         # reading this peer (design §3 backpressure).
         self.transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
@@ -126,7 +151,10 @@ class ControlConnection(asyncio.Protocol):
         assert transport is not None
         buffer = self._buffer
         journal = self._server.core.journal
-        while not self._writing_paused and not transport.is_closing():
+        session = self.session
+        assert session is not None
+        answer = self._answer_lines if session.gate is None else self._answer_lines_gated
+        while not self._writing_paused and not self._outbox_full and not transport.is_closing():
             end = buffer.rfind(b"\n")
             if end < 0:
                 if len(buffer) >= self._line_limit:
@@ -141,7 +169,7 @@ class ControlConnection(asyncio.Protocol):
             # one pipelined connection (docs/performance.md).
             journal.hold()
             try:
-                replies, used, too_long = self._answer_lines(lines, room)
+                replies, used, too_long = answer(lines, room)
             finally:
                 journal.flush()
             if too_long:
@@ -185,7 +213,7 @@ class ControlConnection(asyncio.Protocol):
                 op, result, reply = answered
                 count_op(op, result)
             elif line.strip():
-                reply = encode_line(self._answer(line, now))
+                reply = self._answer_now(line, now)
                 limit = self._line_limit
             else:
                 continue
@@ -194,6 +222,125 @@ class ControlConnection(asyncio.Protocol):
             if size > room:  # at least one line is answered: a paused writer resumes
                 return replies, used, False
         return replies, len(lines), False
+
+    def _answer_lines_gated(self, lines: list[bytes], room: int) -> tuple[list[bytes], int, bool]:
+        """`_answer_lines` with a gate: a reply that waits for the directory, and every
+        reply after it, goes to the outbox instead; the gate is asked for the waiting
+        claims at once (all of this read in this loop turn). Also stops once
+        MAX_WAITING_REPLIES are in the outbox (then reading stops until they drain)."""
+        server = self._server
+        session = self.session
+        assert session is not None
+        now = server.clock()
+        fast = session.answer_through_gate
+        count_op = server.count_op
+        outbox = self._outbox
+        limit = self._line_limit
+        replies: list[bytes] = []
+        size = 0
+        for used, line in enumerate(lines, 1):
+            if len(line) >= limit:
+                replies.append(encode_line(self._long_line_reply()))
+                return replies, used, True
+            answered = fast(line, now)
+            reply: bytes | WaitingReply
+            if answered is not None:
+                op, result, reply = answered
+                if result:  # a waiting reply is counted once it is decided
+                    count_op(op, result)
+            elif line.strip():
+                decided = self._answer(line, now)
+                reply = decided if isinstance(decided, WaitingReply) else encode_line(decided)
+                limit = self._line_limit
+            else:
+                continue
+            if isinstance(reply, WaitingReply):
+                if reply.asks:
+                    self._ask_gate(reply)
+                outbox.append(reply)
+            elif outbox:
+                outbox.append(reply)  # behind a reply that waits
+            else:
+                replies.append(reply)
+                size += len(reply)
+            if len(outbox) >= MAX_WAITING_REPLIES:
+                self._outbox_full = True
+                assert self.transport is not None
+                self.transport.pause_reading()
+                return replies, used, False
+            if size > room:
+                return replies, used, False
+        return replies, len(lines), False
+
+    def _ask_gate(self, waiting: WaitingReply) -> None:
+        """Claims the keys `waiting` waits for through the gate, in a task of its own."""
+        call = asyncio.get_running_loop().create_task(self._gate_answer(waiting), name="gate-claim")
+        self._gate_calls.add(call)
+        call.add_done_callback(self._gate_calls.discard)
+
+    async def _gate_answer(self, waiting: WaitingReply) -> None:
+        session = self.session
+        assert session is not None and session.gate is not None
+        gate = session.gate
+        answer: GateAnswer
+        try:
+            if len(waiting.asks) == 1:
+                answer = (await gate.claim(*waiting.asks[0]),)
+            else:  # a sync: its keys go out together (the directory batches them)
+                outcomes: list[ClaimOutcome] = await asyncio.gather(
+                    *(gate.claim(kind, key) for kind, key in waiting.asks)
+                )
+                answer = tuple(outcomes)
+        except DirectoryError as error:
+            answer = error
+        except Exception as error:  # a gate that broke its contract: as if unreachable
+            log.exception("the claim gate failed")
+            answer = DirectoryUnavailable(f"the claim gate failed: {error!r}")
+        waiting.answer = answer
+        if not self._settle_scheduled:
+            # Once per loop turn, after every answer of the directory's batch is in: the
+            # replies they free go out in one write (and are journaled in one).
+            self._settle_scheduled = True
+            asyncio.get_running_loop().call_soon(self._settle)
+
+    def _settle(self) -> None:
+        """Applies and writes the outbox's ready prefix, in order; reading resumes once
+        the waiting replies drained below half the bound. The local table changes even
+        when the connection is gone (the worker may have a lease again); nothing is
+        written to a closed transport."""
+        self._settle_scheduled = False
+        session = self.session
+        assert session is not None
+        server = self._server
+        now = server.clock()
+        outbox = self._outbox
+        written: list[bytes] = []
+        journal = server.core.journal
+        journal.hold()
+        try:
+            while outbox:
+                head = outbox[0]
+                if isinstance(head, WaitingReply):
+                    if not head.ready:
+                        break
+                    op, result, reply = session.settle(head, now)
+                    server.count_op(op, result)
+                    written.append(encode_line(reply))
+                else:
+                    written.append(head)
+                outbox.popleft()
+        finally:
+            journal.flush()
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if written:
+            transport.write(b"".join(written))
+        if self._outbox_full and len(outbox) <= MAX_WAITING_REPLIES // 2:
+            self._outbox_full = False
+            self._answer_buffered()  # the lines left unread meanwhile
+            if not self._writing_paused and not self._outbox_full and not transport.is_closing():
+                transport.resume_reading()
 
     def eof_received(self) -> bool:
         if self._buffer.strip():
@@ -213,7 +360,7 @@ class ControlConnection(asyncio.Protocol):
         if transport is None or transport.is_closing():
             return
         self._answer_buffered()  # the lines left from the reads before the pause
-        if not self._writing_paused and not transport.is_closing():
+        if not self._writing_paused and not self._outbox_full and not transport.is_closing():
             transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -240,7 +387,13 @@ class ControlConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    def _answer(self, line: bytes, now: float) -> dict[str, object]:
+    def _answer_now(self, line: bytes, now: float) -> bytes:
+        """The general path without a gate, where every reply is decided at once."""
+        reply = self._answer(line, now)
+        assert not isinstance(reply, WaitingReply)
+        return encode_line(reply)
+
+    def _answer(self, line: bytes, now: float) -> Reply | WaitingReply:
         """The general path: any line, parsed and checked in full."""
         server = self._server
         session = self.session
@@ -248,7 +401,8 @@ class ControlConnection(asyncio.Protocol):
         request = decode_line(line)
         # decode_line returns the error reply itself (it has "ok") for a bad line.
         reply = request if "ok" in request else session.handle(request, now)
-        server.observe(session, request, reply)
+        if not isinstance(reply, WaitingReply):  # one that waits is counted once decided
+            server.observe(session, request, reply)
         if session.worker is not None and self._hello_timer is not None:
             self._hello_timer.cancel()
             self._hello_timer = None

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from router.control.connection import ControlConnection
 from router.control.session import ControlPolicy, ControlSession
 from router.core import RouterCore, Worker
+from router.directory.gate import ClaimGate
 from router.metrics import RouterMetrics
 
 log = logging.getLogger("episode_router.control")
@@ -94,8 +95,11 @@ class ControlServer:
         metrics: RouterMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         hello_deadline_s: float = HELLO_DEADLINE_S,
+        claim_gate: ClaimGate | None = None,
     ) -> None:
         self._metrics = metrics
+        # With a claims directory, claims are acknowledged once it holds them (design §10).
+        self.claim_gate = claim_gate
         self.core = core
         self.policy = policy
         self._on_lease_lost = on_lease_lost

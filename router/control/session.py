@@ -27,8 +27,16 @@ from router.control.refusals import (
     not_holder,
     refused_sync_entry,
 )
+from router.control.waiting import (
+    WaitingReply,
+    directory_refusal,
+    directory_unavailable,
+    lease_ended,
+)
 from router.control.worker_urls import SocketLookup, look_up_socket, url_refusal
 from router.core import RouterCore, Worker, WorkerOrigin, WorkerState
+from router.directory.gate import ClaimGate
+from router.directory.records import ClaimVerdict
 from router.protocol import (
     MAX_KEY_CHARS,
     PROTOCOL_VERSION,
@@ -125,6 +133,24 @@ _ID_FIRST = re.compile(
 _ID_LAST = re.compile(_OP + rb'"key":' + _KEY + rb',"kind":' + _KIND + rb',"id":' + _ID + rb"\}")
 
 
+_CLAIMED = ClaimVerdict.CLAIMED
+
+
+def _fast_fields(line: bytes) -> tuple[bytes, bytes, str, str] | None:
+    """The op, raw id, key and kind of a claim or release line in one of the two usual
+    shapes; None for any other line. (`answer_claim_or_release` inlines this: it is the
+    hot path without a gate.)"""
+    match = _ID_FIRST.fullmatch(line)
+    if match is not None:
+        op, raw_id, raw_key, raw_kind = match.groups()
+    else:
+        match = _ID_LAST.fullmatch(line)
+        if match is None:
+            return None
+        op, raw_key, raw_kind, raw_id = match.groups()
+    return op, raw_id, raw_key.decode(), "episode" if raw_kind is None else raw_kind.decode()
+
+
 def valid_worker_id(worker_id: str) -> bool:
     """True for a worker id a hello may say: 1-64 of [A-Za-z0-9._:-]."""
     return _WORKER_ID.fullmatch(worker_id) is not None
@@ -133,18 +159,26 @@ def valid_worker_id(worker_id: str) -> bool:
 class ControlSession:
     """One control connection: at most one worker's lease."""
 
-    def __init__(self, core: RouterCore, policy: ControlPolicy, peer: Peer) -> None:
+    def __init__(
+        self, core: RouterCore, policy: ControlPolicy, peer: Peer, gate: ClaimGate | None = None
+    ) -> None:
         self.core = core
         self.policy = policy
         self.peer = peer
+        # The claims directory's half of a claim (design §10); None: the local table's alone.
+        self.gate = gate
+        # This connection's claims waiting for the gate, by (kind, key): a release or a
+        # claim again of one waits behind it, and they count toward the claim cap.
+        self._waiting: dict[tuple[str, str], WaitingReply] = {}
         self.worker: Worker | None = None
         self.became_live = False  # the last accepted hello made its worker live
         # The claims of a sync that spans several messages, until its last one. Each
         # message's malformed entries are answered in its own reply, never kept here.
         self._sync_pending: set[tuple[str, str]] | None = None
 
-    def handle(self, request: dict[str, Any], now: float) -> Reply:
-        """Apply one decoded request and return its reply."""
+    def handle(self, request: dict[str, Any], now: float) -> Reply | WaitingReply:
+        """Apply one decoded request and return its reply; with a gate, a claim or sync
+        the directory must take first returns the `WaitingReply` its reply waits in."""
         request_id = request.get("id")
         op = request["op"]
         handler = self._HANDLERS.get(op)
@@ -200,6 +234,48 @@ class ControlSession:
         if self.core.release(worker, kind, raw_key.decode(), now):
             return "release", "ok", b'{"id":' + raw_id + b',"ok":true}\n'
         return "release", "not_holder", encode_line(not_holder(json.loads(raw_id)))
+
+    def answer_through_gate(
+        self, line: bytes, now: float
+    ) -> tuple[str, str, bytes | WaitingReply] | None:
+        """`answer_claim_or_release` with a gate: the same lines, and the same answers
+        but for a claim the directory must take first (a key the local table does not
+        know), returned as the `WaitingReply` its reply waits in (its result is then
+        ""), and a release of a key whose claim waits, which waits behind it."""
+        fields = _fast_fields(line)
+        if fields is None:
+            return None
+        op, raw_id, key, kind = fields
+        worker = self.worker
+        if worker is None or worker.lease is not self or worker.state is WorkerState.EXITED:
+            return None
+        if kind not in self.core.settings.kinds:
+            return None
+        worker.last_heard = now
+        if op == b"claim":
+            reply = self._claim_through_gate(worker, kind, key, json.loads(raw_id), now)
+            if isinstance(reply, WaitingReply):
+                return "claim", "", reply
+            return "claim", "ok" if reply["ok"] else reply["error"], encode_line(reply)
+        waiting = self._waiting.get((kind, key))
+        if waiting is not None:
+            return "release", "", self._behind(waiting, "release", json.loads(raw_id))
+        if self.core.release(worker, kind, key, now):
+            self._released(kind, key)
+            return "release", "ok", b'{"id":' + raw_id + b',"ok":true}\n'
+        return "release", "not_holder", encode_line(not_holder(json.loads(raw_id)))
+
+    def settle(self, waiting: WaitingReply, now: float) -> tuple[str, str, Reply]:
+        """Apply a waiting reply whose gate answered, once every reply before it on the
+        connection was applied; returns its op, its result and the reply. A claim the
+        directory took is claimed in the local table now, unless its lease was retired
+        meanwhile; one of a connection closed meanwhile still is (the worker is lost,
+        and may say hello again)."""
+        if waiting.op == "sync":
+            return "sync", *self._settle_sync(waiting)
+        if waiting.op == "release":
+            return "release", *self._settle_release(waiting, now)
+        return "claim", *self._settle_claim(waiting, now)
 
     def closed(self, now: float) -> Worker | None:
         """The connection went away. Returns the worker whose lease it was, now lost."""
@@ -315,11 +391,13 @@ class ControlSession:
             return error_reply(rid, "bad_request", "`key` must be a non-empty string.")
         return kind, key
 
-    def _claim(self, request: dict[str, Any], now: float) -> Reply:
+    def _claim(self, request: dict[str, Any], now: float) -> Reply | WaitingReply:
         parsed = self._kind_and_key(request)
         if isinstance(parsed, dict):
             return parsed
         assert self.worker is not None
+        if self.gate is not None:
+            return self._claim_through_gate(self.worker, *parsed, request.get("id"), now)
         if self._over_claim_cap(self.worker, *parsed):
             return self._too_many(request.get("id"))
         refusal = self.core.claim(self.worker, *parsed, now)
@@ -327,16 +405,110 @@ class ControlSession:
             return {"id": request.get("id"), "ok": True}
         return claim_refused(request.get("id"), refusal)
 
-    def _release(self, request: dict[str, Any], now: float) -> Reply:
+    def _release(self, request: dict[str, Any], now: float) -> Reply | WaitingReply:
         parsed = self._kind_and_key(request, releasing=True)
         if isinstance(parsed, dict):
             return parsed
         assert self.worker is not None
+        waiting = self._waiting.get(parsed)
+        if waiting is not None:
+            return self._behind(waiting, "release", request.get("id"))
         if self.core.release(self.worker, *parsed, now):
+            self._released(*parsed)
             return {"id": request.get("id"), "ok": True}
         return not_holder(request.get("id"))
 
-    def _sync(self, request: dict[str, Any], now: float) -> Reply:
+    # -- claims through the claims directory (design §10) ----------------------
+
+    def _claim_through_gate(
+        self, worker: Worker, kind: str, key: str, request_id: object, now: float
+    ) -> Reply | WaitingReply:
+        """A claim with a gate: answered at once from the local table when it knows the
+        key (held by this worker: ok; else its refusal), else waiting for the gate."""
+        waiting = self._waiting.get((kind, key))
+        if waiting is not None:  # a claim again of a key whose claim waits
+            return self._behind(waiting, "claim", request_id)
+        claims = self.core.claims
+        if claims.lookup(kind, key) is not None:
+            refusal = self.core.claim(worker, kind, key, now)
+            if refusal is None:
+                return {"id": request_id, "ok": True}
+            return claim_refused(request_id, refusal)
+        # The cap counts the claims waiting for the gate: each may become held.
+        held = claims.held_count(worker.id) + len(self._waiting)
+        if held >= self.policy.max_claims_per_worker:
+            return self._too_many(request_id)
+        waiting = WaitingReply("claim", request_id, worker, ((kind, key),), kind=kind, key=key)
+        self._waiting[kind, key] = waiting
+        return waiting
+
+    def _behind(self, leader: WaitingReply, op: str, request_id: object) -> WaitingReply:
+        """A release or claim of the key `leader` claims, applied after it."""
+        return WaitingReply(
+            op, request_id, leader.worker, (), kind=leader.kind, key=leader.key, leader=leader
+        )
+
+    def _released(self, kind: str, key: str) -> None:
+        """The local table accepted a release: the directory marks the record ended."""
+        if self.gate is not None:
+            self.gate.released(kind, key)
+
+    def _settle_claim(self, waiting: WaitingReply, now: float) -> tuple[str, Reply]:
+        kind, key, rid = waiting.kind, waiting.key, waiting.request_id
+        if self._waiting.get((kind, key)) is waiting:
+            del self._waiting[kind, key]
+        leader = waiting.leader
+        answer = waiting.answer if leader is None else leader.answer
+        if not waiting.lease_current():
+            if leader is None and isinstance(answer, tuple) and answer[0].verdict is _CLAIMED:
+                # Written for a lease that is gone: the record must not stay held for a
+                # claim no worker was told of.
+                self._released(kind, key)
+            return "no_hello", lease_ended(rid)
+        if leader is None or self.core.claims.lookup(kind, key) is None:
+            if not isinstance(answer, tuple):
+                return "directory_unavailable", directory_unavailable(rid)
+            outcome = answer[0]
+            if outcome.verdict is not _CLAIMED:
+                return outcome.verdict.value, directory_refusal(rid, outcome)
+        # The directory holds it for this router: the local table decides between its
+        # workers (another may have claimed it while this one waited).
+        refusal = self.core.claim(waiting.worker, kind, key, now)
+        if refusal is None:
+            return "ok", {"id": rid, "ok": True}
+        return refusal.error, claim_refused(rid, refusal)
+
+    def _settle_release(self, waiting: WaitingReply, now: float) -> tuple[str, Reply]:
+        rid = waiting.request_id
+        if not waiting.lease_current():
+            return "no_hello", error_reply(rid, "no_hello", "Say hello first.")
+        if self.core.release(waiting.worker, waiting.kind, waiting.key, now):
+            self._released(waiting.kind, waiting.key)
+            return "ok", {"id": rid, "ok": True}
+        return "not_holder", not_holder(rid)
+
+    def _settle_sync(self, waiting: WaitingReply) -> tuple[str, Reply]:
+        rid, answer = waiting.request_id, waiting.answer
+        if not isinstance(answer, tuple):
+            # The local claims stay: the router writes its table back to the directory
+            # once it answers again.
+            return "directory_unavailable", directory_unavailable(rid)
+        refusals = waiting.refusals
+        assert refusals is not None
+        accepted = waiting.accepted
+        current = waiting.lease_current()
+        for (kind, key), outcome in zip(waiting.asks, answer, strict=True):
+            if outcome.verdict is _CLAIMED:
+                continue
+            # Another router holds it, or it ended or exited there: not this worker's,
+            # and no local tombstone may answer for it.
+            if current:
+                self.core.forget(waiting.worker, kind, key)
+            accepted -= 1
+            refusals.add({"kind": kind, "key": key, "error": outcome.verdict.value})
+        return "ok", refusals.reply(rid, accepted, more=False)
+
+    def _sync(self, request: dict[str, Any], now: float) -> Reply | WaitingReply:
         rid = request.get("id")
         entries, more = request.get("claims"), request.get("more", False)
         if not isinstance(entries, list) or not isinstance(more, bool):
@@ -362,14 +534,47 @@ class ControlSession:
             self._sync_pending = pending
             return refusals.reply(rid, 0, more=True)
         self._sync_pending = None
-        assert self.worker is not None
-        result = self.core.sync(self.worker, pending, now)
+        worker = self.worker
+        assert worker is not None
+        held_before = self._held_keys(worker) if self.gate is not None else set()
+        result = self.core.sync(worker, pending, now)
         for listed, (kind, key, why) in enumerate(result.refused):
             if refusals.full:  # the rest are only counted
                 refusals.omitted += len(result.refused) - listed
                 break
             refusals.add({"kind": kind, "key": key, "error": why.error})
-        return refusals.reply(rid, result.accepted, more=False)
+        if self.gate is None:
+            return refusals.reply(rid, result.accepted, more=False)
+        refused = {(kind, key) for kind, key, _why in result.refused}
+        return self._sync_through_gate(
+            worker, rid, held_before, pending - refused, result.accepted, refusals
+        )
+
+    def _sync_through_gate(
+        self,
+        worker: Worker,
+        rid: object,
+        held_before: set[tuple[str, str]],
+        accepted: set[tuple[str, str]],
+        accepted_count: int,
+        refusals: SyncRefusals,
+    ) -> Reply | WaitingReply:
+        """A sync applied locally, with a gate: the keys it no longer lists are released
+        in the directory, and those it newly holds are claimed there before the reply
+        (after a router restart the directory may hold them for this router already:
+        the gate answers CLAIMED for those)."""
+        for kind, key in held_before - accepted:
+            self._released(kind, key)  # no longer listed: ended
+        new = tuple(sorted(accepted - held_before))
+        if not new:
+            return refusals.reply(rid, accepted_count, more=False)
+        waiting = WaitingReply("sync", rid, worker, new)
+        waiting.refusals = refusals
+        waiting.accepted = accepted_count
+        return waiting
+
+    def _held_keys(self, worker: Worker) -> set[tuple[str, str]]:
+        return {(claim.kind, claim.key) for claim in self.core.claims.held_by(worker.id)}
 
     def _over_claim_cap(self, worker: Worker, kind: str, key: str) -> bool:
         """True when claiming `key` would make `worker` hold more than its cap: a key it
@@ -409,7 +614,9 @@ class ControlSession:
     def _ping(self, request: dict[str, Any], now: float) -> Reply:
         return {"id": request.get("id"), "ok": True}
 
-    _HANDLERS: dict[str, Callable[[ControlSession, dict[str, Any], float], Reply]] = {
+    _HANDLERS: dict[
+        str, Callable[[ControlSession, dict[str, Any], float], Reply | WaitingReply]
+    ] = {
         "hello": _hello,
         "claim": _claim,
         "release": _release,

@@ -364,9 +364,26 @@ class ClaimTable:
         self._by_kind[kind] = keys
         return keys
 
+    def forget_held(self, kind: str, key: str, worker: str) -> bool:
+        """Drop `worker`'s held claim of `key` as if it had never been made: no
+        tombstone (the claims directory refused it, design §10: another router holds
+        it, or it ended there, and a local tombstone would answer for it wrongly).
+        False, changing nothing, when `worker` does not hold it."""
+        claim = self.lookup(kind, key)
+        if claim is None or claim.state is not _HELD or claim.worker != worker:
+            return False
+        del self._by_kind[kind][key]
+        claim.state = _ENDED  # out of the held indexes, which keep it until their next pass
+        self._unhold(claim)
+        return True
+
     def _end(self, claim: Claim, state: ClaimState, now: float) -> None:
         """Bury a held claim and take it out of the held indexes."""
         self._bury(claim, state, now)
+        self._unhold(claim)
+
+    def _unhold(self, claim: Claim) -> None:
+        """Take a claim no longer held (its state says so) out of the held indexes."""
         kind = claim._traits.kind
         if claim._traits.learned:
             self._learned.dropped(kind)

@@ -42,6 +42,7 @@ class JournalSink(Protocol):
     def claim(self, kind: str, key: str, worker: str) -> None: ...
     def learn(self, kind: str, key: str, worker: str) -> None: ...
     def release(self, kind: str, key: str, worker: str) -> None: ...
+    def forget(self, kind: str, key: str, worker: str) -> None: ...  # held, now never was
     def sync(self, worker: str, claims: Iterable[tuple[str, str]]) -> None: ...
     def link(self, claims: list[tuple[str, str]]) -> None: ...  # learned from one reply
     def exited(self, worker: str) -> None: ...
@@ -63,6 +64,9 @@ class _NoJournal:
         pass
 
     def release(self, kind: str, key: str, worker: str) -> None:
+        pass
+
+    def forget(self, kind: str, key: str, worker: str) -> None:
         pass
 
     def sync(self, worker: str, claims: Iterable[tuple[str, str]]) -> None:
@@ -478,6 +482,14 @@ class RouterCore:
         if released:
             self.journal.release(kind, key, worker.id)
         return released
+
+    def forget(self, worker: Worker, kind: str, key: str) -> bool:
+        """Drop `worker`'s held claim of `key` with no tombstone: the claims directory
+        refused it (design §10). False when `worker` does not hold it."""
+        forgotten = self.claims.forget_held(kind, key, worker.id)
+        if forgotten:
+            self.journal.forget(kind, key, worker.id)
+        return forgotten
 
     def sync(self, worker: Worker, claims: Iterable[tuple[str, str]], now: float) -> SyncResult:
         listed = set(claims)

@@ -14,10 +14,10 @@ connections and llhttp): this module never opens a socket.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Final, Literal, Protocol, TypeVar
+from typing import Any, Final, Literal, Protocol, TypeVar
 
 from aiohttp import hdrs
 from multidict import CIMultiDict
@@ -46,6 +46,8 @@ __all__ = [
 # client_timeout: the client's request body went silent (408; the worker is not blamed).
 # busy: no connection to the worker could be had because its pool was full, or its share
 #   for client-paced exchanges was (503 worker_busy; the worker is not blamed).
+# directory: the claims directory did not take the session the reply created (design
+#   §10): the reply is not relayed (503 recovering; the worker is not blamed).
 FailureKind = Literal[
     "refused",
     "error",
@@ -55,6 +57,7 @@ FailureKind = Literal[
     "client_left",
     "client_timeout",
     "busy",
+    "directory",
 ]
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) plus the legacy ones proxies still see.
@@ -93,6 +96,11 @@ class ReplyObserver(Protocol):
     def body(self, data: bytes) -> None:
         """The whole reply body, when it ended within the bytes `head` asked for."""
         ...
+
+    # Set by `head` or `body` when the reply taught a claim the claims directory must
+    # take before the reply goes on (design §10): awaited then, False meaning the
+    # reply must not be relayed. None without a directory.
+    directory_write: Coroutine[Any, Any, bool] | None
 
 
 # Not frozen: one is made per forward, and a frozen init costs more than a plain one.

@@ -449,6 +449,11 @@ class Forwarder(LaneOwner):
         request = exchange.request
         if observer is not None:
             await self._observe(conn, observer)
+            write = observer.directory_write
+            if write is not None and not await write:
+                # The session this reply created routes nowhere: the client must not
+                # hear of it. The worker's connection is dropped (the finally's settle).
+                raise UpstreamFailure("directory", _NOT_WRITTEN, request_sent=True)
             if request.client.client_gone:
                 # Left while the body was read for the observer: the worker's connection
                 # is dropped now (the finally's settle), not read to its end.
@@ -628,6 +633,7 @@ class Pacing(enum.Enum):
 # second keeps it; one that reads nothing holds a connection outside the share for
 # seconds, not for the edge's idle_timeout_s.
 OVER_SHARE_SEND_S: Final = 5.0
+_NOT_WRITTEN: Final = "the claims directory did not take the session this reply created"
 _EVENT_STREAM: Final = b"text/event-stream"
 # A body buffered before its worker connection is taken reserves budget this much ahead
 # of the bytes here: about one reservation a read, and never more held than arrived but

@@ -83,6 +83,9 @@ class JournalFile:
     def release(self, kind: str, key: str, worker: str) -> None:
         self._append({"op": "release", "kind": kind, "key": key, "worker": worker})
 
+    def forget(self, kind: str, key: str, worker: str) -> None:
+        self._append({"op": "forget", "kind": kind, "key": key, "worker": worker})
+
     def link(self, claims: list[tuple[str, str]]) -> None:
         self._append({"op": "link", "claims": [list(pair) for pair in claims]})
 
@@ -404,12 +407,14 @@ def _apply(
             worker.draining = bool(record["on"])
             # Absent in journals written before it was recorded: an operator's drain, as then.
             worker.drained_by_worker = worker.draining and bool(record.get("by_worker", False))
-    elif op in ("claim", "learn", "release", "tomb"):
+    elif op in ("claim", "learn", "release", "tomb", "forget"):
         kind, key, holder = _text(record, "kind"), _text(record, "key"), _text(record, "worker")
         if holder in dropped:
             return
         if op == "release":
             claims.release(kind, key, holder, at)
+        elif op == "forget":
+            claims.forget_held(kind, key, holder)
         elif op == "tomb":
             claims.restore_tombstone(kind, key, holder, ClaimState(record["state"]), at)
         else:

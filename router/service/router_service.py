@@ -175,6 +175,8 @@ class RouterService:
         self.control.bind(config.control.socket)  # first: it fails if another router runs
         if config.state.path is not None:
             self._open_journal(config.state.path)  # before any hello can arrive
+        if config.directory is not None:
+            await self._join_the_fleet()  # before any hello: claims go through it
         await self.control.serve()
         now = self._clock()
         for static in config.workers:
@@ -182,8 +184,6 @@ class RouterService:
             self.core.expect(static.id)
         if config.workers:
             self.prober.start()
-        if config.directory is not None:
-            await self._join_the_fleet()  # before workers: their claims go through it
         if config.spawn is not None:
             await self._start_spawner()
         self._edge = EdgeServer(
@@ -248,7 +248,9 @@ class RouterService:
         fleet = FleetLink(directory, self.core, clock=self._clock, close_redis=redis.aclose)
         fleet.tracking = tracking
         secret = config.peer.secret.encode()
+        self.control.claim_gate = fleet
         for handler, peer_side in ((self.handler, False), (peer_handler, True)):
+            handler.claim_gate = fleet
             handler.fleet = fleet
             handler.peer_secret = secret
             handler.peer_side = peer_side

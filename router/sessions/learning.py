@@ -14,17 +14,25 @@ watching at all, so requests that cannot teach anything (every episode-token
 call) pay nothing. `ReplyLearner` is the observer the forwarder shows the reply
 to; it changes the claim table through the core, before the client sees the
 reply. Pure: no I/O, `now` comes from the caller.
+
+With a claims directory (a `ClaimGate`, design §10) a key the local table does not
+know is learned only once the directory holds it: `head` and `body` then set
+`directory_write`, which the forwarder awaits before it relays the reply (False: the
+client gets 503 instead of it), and a close's 2xx tells the gate of what it ended.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from router.core import RouterCore, Worker
+from router.core import ClaimState, RouterCore, Worker
+from router.directory.errors import DirectoryError
+from router.directory.gate import ClaimGate
+from router.directory.records import ClaimVerdict
 from router.sessions.formats import FormatError, mcp_session_key
 from router.sessions.reader import Headers, SessionKind, SessionReader, SessionRef, session_key
 from router.sessions.sources import json_pointer, set_cookie_value
@@ -116,12 +124,15 @@ class ReplyLearner:
     __slots__ = (
         "_clock",
         "_core",
+        "_gate",
         "_metrics",
         "_pending",
         "_plan",
         "_taught",
+        "_unwritten",
         "_wall_clock",
         "_worker",
+        "directory_write",
     )
 
     def __init__(
@@ -133,8 +144,14 @@ class ReplyLearner:
         clock: Callable[[], float],
         wall_clock: Callable[[], float],
         metrics: LearningCounts | None = None,
+        gate: ClaimGate | None = None,
     ) -> None:
         self._plan = plan
+        self._gate = gate
+        # With a gate: the keys this reply taught that the directory must take before
+        # the reply goes on, and the write the forwarder awaits (None: nothing to write).
+        self._unwritten: list[tuple[str, str]] = []
+        self.directory_write: Coroutine[Any, Any, bool] | None = None
         self._metrics = metrics
         self._core = core
         self._worker = worker
@@ -151,7 +168,7 @@ class ReplyLearner:
         if not ok:
             return 0
         if plan.close is not None:
-            self._core.release_learned(self._worker, plan.close.kind, plan.close.key, self._clock())
+            self._release(plan.close.kind, plan.close.key)
         for named in plan.named:
             self._learn_key(named.kind, named.key)
         for kind in plan.seed:
@@ -194,7 +211,7 @@ class ReplyLearner:
     def _learn_mcp(self, kind: SessionKind, headers: Mapping[str, str], ok: bool) -> None:
         plan = self._plan
         if plan.mcp_release is not None and ok:
-            self._core.release_learned(self._worker, kind.name, plan.mcp_release, self._clock())
+            self._release(kind.name, plan.mcp_release)
             return
         if ok and kind.header is not None and kind.header in headers:
             self._learn(kind, headers[kind.header])
@@ -225,28 +242,76 @@ class ReplyLearner:
         if self._metrics is not None:
             self._metrics.learn_missed(kind.name)
 
+    def _release(self, kind_name: str, key: str) -> None:
+        """A close's 2xx: the session ends, under every kind its seed reply taught it;
+        with a gate, the directory marks each record ended."""
+        gate = self._gate
+        if gate is None:
+            self._core.release_learned(self._worker, kind_name, key, self._clock())
+            return
+        claim = self._core.claims.lookup(kind_name, key)
+        siblings = claim.siblings if claim is not None else ()
+        ending = [(kind_name, key)] + [
+            (s.kind, s.key)
+            for s in siblings
+            if s.state is ClaimState.HELD and s.worker == self._worker.id
+        ]
+        if self._core.release_learned(self._worker, kind_name, key, self._clock()):
+            for pair in ending:
+                gate.released(*pair)
+
     def _learn_key(self, kind_name: str, key: str) -> None:
+        if self._gate is not None and self._core.claims.lookup(kind_name, key) is None:
+            # Not known here: learned once the directory holds it (design §10).
+            self._unwritten.append((kind_name, key))
+            if self.directory_write is None:
+                self.directory_write = self._write_through_gate(self._gate)
+            return
+        self._learn_locally(kind_name, key)
+
+    async def _write_through_gate(self, gate: ClaimGate) -> bool:
+        """Claims the keys this reply taught in the directory, and learns those it took;
+        False when it did not answer in time (the reply must not reach the client: its
+        session would route nowhere). Keys taught by the body after the head are in the
+        list by the time the forwarder awaits this."""
+        for kind_name, key in self._unwritten:
+            try:
+                outcome = await gate.claim(kind_name, key)
+            except DirectoryError as error:
+                log.warning(
+                    "learned claim not written: the claims directory did not answer",
+                    extra={"kind": kind_name, "worker": self._worker.id, "error": str(error)},
+                )
+                return False
+            if outcome.verdict is ClaimVerdict.CLAIMED:
+                self._learn_locally(kind_name, key)
+            else:
+                self._core.learn_conflicts += 1  # as core.learn counts a local refusal
+                self._refused(kind_name, outcome.verdict.value, outcome.holder)
+        return True
+
+    def _learn_locally(self, kind_name: str, key: str) -> None:
         refusal = self._core.learn(self._worker, kind_name, key, self._clock())
         if refusal is not None:
             # design §4: a learned key another worker holds is not learned: counted, logged.
             # The key this very worker holds (a repeated seed) is no refusal.
-            log.warning(
-                "learned claim refused",
-                extra={
-                    "kind": kind_name,
-                    "worker": self._worker.id,
-                    "error": refusal.error,
-                    "holder": refusal.holder,
-                },
-            )
-            if self._metrics is not None:
-                self._metrics.learn_conflict(kind_name)
+            self._refused(kind_name, refusal.error, refusal.holder)
             return
         if self._metrics is not None:
             self._metrics.learned(kind_name)
         self._taught.append((kind_name, key))
         if len(self._taught) > 1:
             self._core.link_learned(self._taught)
+
+    def _refused(self, kind_name: str, error: str, holder: str | None) -> None:
+        """A learned key another worker (or, with a directory, another router) holds, or
+        that ended or exited, is not learned: counted as a conflict, logged."""
+        log.warning(
+            "learned claim refused",
+            extra={"kind": kind_name, "worker": self._worker.id, "error": error, "holder": holder},
+        )
+        if self._metrics is not None:
+            self._metrics.learn_conflict(kind_name)
 
 
 def _first_pointer(kind: SessionKind, document: object) -> str | None:

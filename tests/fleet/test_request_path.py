@@ -84,14 +84,10 @@ class Fleet:
             await service.stop()
 
     async def episode_on(self, router_id: str) -> tuple[str, str]:
-        """A new episode held by `router_id`'s worker, written into the directory as that
-        router writes its claims: its token and key."""
+        """A new episode claimed by `router_id`'s worker over the control socket (its
+        claim acknowledged once the directory holds it): its token and key."""
         tok, key = an_episode(secrets.token_hex(6))
         await self.workers[router_id].claim(key)
-        fleet = self.routers[router_id].fleet
-        assert fleet is not None
-        (outcome,) = await fleet.directory.claim([("episode", key)])
-        assert outcome.verdict.value == "ok", outcome
         return tok, key
 
     async def call(self, router_id: str, tok: str | None, path: str = "/tools/get") -> Reply:
@@ -150,14 +146,17 @@ async def test_an_absent_key_is_503_while_the_fleet_repopulates_then_401(fleet: 
 
 
 async def test_an_episode_released_on_its_router_is_410_ended_on_every_router(
-    fleet: Fleet,
+    fleet: Fleet, redis_server: RedisServer
 ) -> None:
     tok, key = await fleet.episode_on("r1")
     await fleet.workers["r1"].release_key(key)
-    fleet_r1 = fleet.routers["r1"].fleet
-    assert fleet_r1 is not None
-    await fleet_r1.directory.release([("episode", key)])
     (await fleet.call("r1", tok)).assert_answer(410, "episode_ended", key)
+
+    async def ended_in_the_directory() -> bool:
+        record = redis_server.client().hget(f"{{episode-router}}:owner:episode:{key}", "s")
+        return bool(record == "e")
+
+    await wait_until(ended_in_the_directory, "the release to reach the directory")
     (await fleet.call("r2", tok)).assert_answer(410, "episode_ended", key)
 
 

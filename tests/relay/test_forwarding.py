@@ -1185,6 +1185,8 @@ async def test_forwards_after_close_fail_cleanly(stack: Rig, client: aiohttp.Cli
 class Watcher:
     """A ReplyObserver that records what it was shown, and when."""
 
+    directory_write = None  # it writes no claims to a claims directory
+
     def __init__(self, wants: int) -> None:
         self.wants = wants
         self.heads: list[tuple[int, str | None, list[str]]] = []
