@@ -1,0 +1,167 @@
+"""Faults of the directory and of the links around it, under a fleet of real routers
+(design §10): Redis paused, Redis killed and restarted empty, the link between two
+routers cut (a TCP relay the test owns in front of a router's peer listener).
+
+Every answer is judged by `FleetClient` (own worker's 200, never a 200 after a 410,
+never a 401 for a live episode); each test bounds what the fault may add.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from tests.fleet.rig import (
+    HEARTBEAT_S,
+    LEASE_S,
+    OWNER_UNREACHABLE,
+    RECOVERING,
+    Fleet,
+    FleetClient,
+    TrackedEpisode,
+    unexpected,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
+
+EPISODES = 12
+ROUND_PAUSE_S = 0.1
+SLACK_S = 1.5  # a loaded 2-core machine
+# Back to 200 everywhere after the directory returns: a register retry (1 s) or a
+# heartbeat, the table written back, a lease of grace at most.
+BACK_WITHIN_S = 1.0 + LEASE_S + HEARTBEAT_S + SLACK_S
+
+
+async def warmed(fleet: Fleet, session: aiohttp.ClientSession, seed: int) -> FleetClient:
+    client = FleetClient(fleet, session, seed=seed)
+    await client.create_many(EPISODES)
+    for _ in range(2):
+        await client.round()
+    assert client.problems() == [], client.problems()
+    return client
+
+
+async def rounds_for(client: FleetClient, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        await client.round()
+        await asyncio.sleep(ROUND_PAUSE_S)
+
+
+async def rounds_until_all_served(client: FleetClient, within_s: float) -> float:
+    """Rounds until one whole round is 200 for every episode; the seconds it took."""
+    started = time.monotonic()
+    while time.monotonic() - started < within_s:
+        mark = time.monotonic()
+        await client.round()
+        if all(e.answers[-1].status == 200 for e in client.episodes if e.answers[-1].at >= mark):
+            return time.monotonic() - started
+        await asyncio.sleep(ROUND_PAUSE_S)
+    raise AssertionError(f"not every episode served again within {within_s:g} s")
+
+
+def local_answers(episodes: list[TrackedEpisode], since: float, until: float) -> list[int]:
+    """Statuses of the calls answered by the episode's own router in [since, until)."""
+    return [
+        a.status
+        for e in episodes
+        for a in e.answers
+        if a.router == e.router and since <= a.at < until
+    ]
+
+
+async def test_a_paused_redis_keeps_local_hits_answers_misses_503_and_declares_nobody_dead(
+    fleet: Fleet, session: aiohttp.ClientSession
+) -> None:
+    fleet.start(2)
+    client = await warmed(fleet, session, seed=5)
+    paused_at = time.monotonic()
+    fleet.redis.pause()
+    try:
+        await rounds_for(client, 2 * LEASE_S)  # past every lease: the grace must cover it
+    finally:
+        fleet.redis.resume()
+    resumed_at = time.monotonic()
+    took = await rounds_until_all_served(client, BACK_WITHIN_S)
+    for _ in range(3):
+        await client.round()
+    print(
+        "\n"
+        + client.summary(f"redis SIGSTOP {resumed_at - paused_at:.1f} s, 200 again in {took:.2f} s")
+    )
+    assert client.problems() == [], "\n".join(client.problems())
+    assert unexpected(client.episodes, {RECOVERING}) == []
+    assert set(local_answers(client.episodes, paused_at, resumed_at)) == {200}
+    misses = [a for e in client.episodes for a in e.answers if paused_at <= a.at < resumed_at]
+    assert any(a.code == RECOVERING for a in misses)
+    assert all(e.answers[-1].status == 200 for e in client.episodes)
+    assert all(not fleet.certificates(r) for r in fleet.routers)  # nobody declared dead
+
+
+async def test_redis_killed_and_restarted_empty_is_503_while_the_tables_are_written_back(
+    fleet: Fleet, session: aiohttp.ClientSession
+) -> None:
+    fleet.start(2)
+    client = await warmed(fleet, session, seed=6)
+    epochs = {r.router_id: r.epoch() for r in fleet.routers.values()}
+    killed_at = time.monotonic()
+    os.kill(fleet.redis.pid, signal.SIGKILL)
+    assert fleet.redis.process is not None
+    fleet.redis.process.wait(5.0)
+    await rounds_for(client, 1.0)  # Redis gone: misses 503, local hits 200
+    await asyncio.to_thread(fleet.redis.start)  # the same port, nothing kept
+    restarted_at = time.monotonic()
+    took = await rounds_until_all_served(client, BACK_WITHIN_S)
+    for _ in range(3):
+        await client.round()
+    print(
+        "\n"
+        + client.summary(
+            f"redis kill -9, restarted empty after {restarted_at - killed_at:.1f} s,"
+            f" 200 again in {took:.2f} s"
+        )
+    )
+    assert client.problems() == [], "\n".join(client.problems())
+    assert unexpected(client.episodes, {RECOVERING}) == []
+    assert set(local_answers(client.episodes, killed_at, restarted_at)) == {200}
+    assert all(e.answers[-1].status == 200 for e in client.episodes)
+    # Both registered again (new epochs) and wrote their tables back.
+    assert set(fleet.members()) == {"r1", "r2"}
+    for router in fleet.routers.values():
+        assert router.epoch() > epochs[router.router_id]
+    owners = fleet.redis.client().keys("{episode-router}:owner:episode:*")
+    assert len(owners) == EPISODES
+
+
+async def test_a_cut_link_between_two_routers_is_503_owner_unreachable_never_410(
+    fleet: Fleet, session: aiohttp.ClientSession
+) -> None:
+    fleet.start(2, peer_relays=("r1",))  # r2 reaches r1's peer listener through a relay
+    client = await warmed(fleet, session, seed=7)
+    relay = fleet.peer_relays["r1"]
+    cut_at = time.monotonic()
+    relay.cut()
+    await rounds_for(client, 2 * LEASE_S)  # r1 stays alive in the directory throughout
+    mended_at = time.monotonic()
+    relay.mend()
+    took = await rounds_until_all_served(client, 2.0)
+    print(
+        "\n"
+        + client.summary(f"peer link to r1 cut {mended_at - cut_at:.1f} s, back in {took:.2f} s")
+    )
+    assert client.problems() == [], "\n".join(client.problems())
+    assert unexpected(client.of("r1"), {OWNER_UNREACHABLE}) == []
+    assert unexpected(client.of("r2"), ()) == []
+    hops = [
+        a
+        for e in client.of("r1")
+        for a in e.answers
+        if a.router == "r2" and cut_at <= a.at < mended_at
+    ]
+    assert hops and {a.code for a in hops} == {OWNER_UNREACHABLE}
+    assert all(e.answers[-1].status == 200 for e in client.episodes)
