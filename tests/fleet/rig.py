@@ -357,6 +357,8 @@ class Answer:
     error: str | None  # the refusal's code, when it is one
     worker: str | None
     problem: str | None  # why it breaks the contract, judged when it came
+    misrouted: bool = False  # served or refused by a worker that does not hold it
+    took_s: float = 0.0
 
     @property
     def code(self) -> tuple[int, str | None]:
@@ -417,6 +419,7 @@ class FleetClient:
         """`add 1` for `episode` on `router` (default: a random one), judged and recorded."""
         router = router or self.pick()
         status, body = 0, None
+        sent_at = time.monotonic()
         try:
             async with self.http.post(
                 f"{router.base_url}/tools/add",
@@ -429,14 +432,16 @@ class FleetClient:
                 body = json.loads(raw)
         except (aiohttp.ClientError, TimeoutError):
             pass
-        answer = self._judge(episode, router.router_id, status, body)
+        answer = self._judge(episode, router.router_id, status, body, sent_at)
         episode.answers.append(answer)
         return answer
 
-    def _judge(self, episode: TrackedEpisode, router: str, status: int, body: Any) -> Answer:
+    def _judge(
+        self, episode: TrackedEpisode, router: str, status: int, body: Any, sent_at: float
+    ) -> Answer:
         data = body if isinstance(body, dict) else {}
         error, worker = data.get("error"), data.get("worker")
-        problem = None
+        problem, misrouted = None, False
         if status == 200:
             if episode.gone:
                 problem = "a 200 after a 410"
@@ -449,13 +454,17 @@ class FleetClient:
             if data != expected:
                 problem = f"expected {expected}, got {data}"
             episode.counter, episode.calls = episode.counter + 1, episode.calls + 1
+            misrouted = data.get("worker") != episode.worker or data.get("episode") != episode.key
         elif status == 401:
             problem = "a 401 for a live episode"
-        elif worker is not None and worker != episode.worker:
-            problem = f"refused by another worker: {data}"
+        elif worker is not None and (worker != episode.worker or error == "unknown_episode"):
+            # Every router's workers are w0 and w1: a worker's own "no such episode" is
+            # how one that does not hold it shows, whatever its name.
+            problem, misrouted = f"refused by another worker: {data}", True
         if problem is not None:
             problem = f"{episode.key} of {episode.router}/{episode.worker} via {router}: {problem}"
-        return Answer(time.monotonic(), router, status, error, worker, problem)
+        now = time.monotonic()
+        return Answer(now, router, status, error, worker, problem, misrouted, now - sent_at)
 
     async def round(self, episodes: Iterable[TrackedEpisode] | None = None) -> None:
         """One call of every episode (all at once, each on a random router)."""

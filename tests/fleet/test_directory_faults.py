@@ -16,11 +16,13 @@ import time
 import aiohttp
 import pytest
 
+from tests.e2e.conftest import wait_until
 from tests.fleet.rig import (
     HEARTBEAT_S,
     LEASE_S,
     OWNER_UNREACHABLE,
     RECOVERING,
+    WORKER_EXITED,
     Fleet,
     FleetClient,
     TrackedEpisode,
@@ -165,3 +167,51 @@ async def test_a_cut_link_between_two_routers_is_503_owner_unreachable_never_410
     ]
     assert hops and {a.code for a in hops} == {OWNER_UNREACHABLE}
     assert all(e.answers[-1].status == 200 for e in client.episodes)
+
+
+async def test_a_router_cut_off_from_redis_is_410_on_the_others_and_comes_back_fenced(
+    fleet: Fleet, session: aiohttp.ClientSession
+) -> None:
+    relay = fleet.relay("127.0.0.1", fleet.redis.port)
+    fleet.start(2, directory_urls={"r1": f"redis://{relay.address}/0"})
+    client = await warmed(fleet, session, seed=8)
+    r1, r2 = fleet.routers["r1"], fleet.routers["r2"]
+    victims, others = client.of("r1"), client.of("r2")
+    epoch = r1.epoch()
+    cut_at = time.monotonic()
+    relay.cut()
+    # r1's own episodes are called through r2 only: what r1 itself answers them while it
+    # is cut off is not judged here (see the fault matrix). r2's go anywhere.
+    deadline = cut_at + 2 * LEASE_S + HEARTBEAT_S
+    while time.monotonic() < deadline:
+        await asyncio.gather(*(client.call(e, r2) for e in victims), client.round(others))
+        await asyncio.sleep(ROUND_PAUSE_S)
+    relay.mend()
+
+    def registered_again() -> bool:
+        view = r1.admin("/admin/routers")
+        now = view[1].get("epoch") if view is not None else None
+        return isinstance(now, int) and now > epoch  # None while it registers
+
+    await asyncio.to_thread(wait_until, "r1 fenced and registered again", registered_again, 10.0)
+    newcomer = await client.create(r1)
+    for _ in range(4):
+        await asyncio.gather(*(client.call(e, r) for e in victims for r in (r1, r2)))
+        await client.round([*others, newcomer])
+    gone_after = max(first_410(e) for e in victims) - cut_at
+    print("\n" + client.summary(f"r1 cut off from redis: 410 on r2 after {gone_after:.2f} s"))
+    assert client.problems() == [], "\n".join(client.problems())
+    assert unexpected(victims, {OWNER_UNREACHABLE, WORKER_EXITED}) == []
+    assert unexpected(others, {RECOVERING}) == []  # r1 cannot look them up meanwhile
+    assert all(e.answers[-1].code == WORKER_EXITED for e in victims)
+    assert all(e.answers[-1].status == 200 for e in others)
+    assert newcomer.codes() == {(200, None): 4}
+    assert gone_after <= LEASE_S + HEARTBEAT_S + SLACK_S
+    reasons = {value.split(" ")[0] for value in fleet.certificates("r1").values()}
+    assert reasons & {"lapsed", "fenced"}, reasons
+
+
+def first_410(episode: TrackedEpisode) -> float:
+    answer = episode.first(WORKER_EXITED)
+    assert answer is not None, episode.answers
+    return answer.at
