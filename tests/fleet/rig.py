@@ -238,6 +238,8 @@ class Fleet:
         self.relays: list[Relay] = []
         self.peer_relays: dict[str, Relay] = {}  # router id -> the relay its peers dial
         self.secret = secrets.token_hex(16)
+        # Keys of every router's `directory:` section on top of the rig's own.
+        self.directory_settings: dict[str, Any] = {}
 
     def relay(self, target_host: str, target_port: int) -> Relay:
         relay = Relay(target_host, target_port)
@@ -284,7 +286,12 @@ class Fleet:
                 "base_port": free_port_range(len(WORKER_IDS)),
                 "stop_timeout_s": SPAWN_STOP_TIMEOUT_S,
             },
-            "directory": {"url": url, "router_id": router_id, "lease_ttl_s": LEASE_S},
+            "directory": {
+                "url": url,
+                "router_id": router_id,
+                "lease_ttl_s": LEASE_S,
+                **self.directory_settings,
+            },
             "peer": peer,
         }
         config_path = folder / "router.yaml"
