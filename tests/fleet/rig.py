@@ -97,7 +97,10 @@ def redis_on_a_fixed_port(folder: Path) -> RedisServer:
 class Relay:
     """A TCP relay on 127.0.0.1:`port` to `target`, in a thread of its own (the test's
     loop may block in a wait). `cut()` closes every connection and stops listening (new
-    connections are refused); `mend()` listens on the same port again."""
+    connections are refused); `mend()` listens on the same port again. `stall()` is a
+    link gone silent with no close (a partition): connections stay open and new ones are
+    accepted, but no byte moves until `flow()`, when what was held goes on, as TCP's
+    retransmissions would deliver it."""
 
     def __init__(self, target_host: str, target_port: int) -> None:
         self.target = (target_host, target_port)
@@ -106,6 +109,8 @@ class Relay:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
         self._links: set[asyncio.StreamWriter] = set()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
         self._thread.start()
         self.mend()
 
@@ -121,6 +126,12 @@ class Relay:
 
     def cut(self) -> None:
         self._run(self._cut())
+
+    def stall(self) -> None:
+        self._loop.call_soon_threadsafe(self._flowing.clear)
+
+    def flow(self) -> None:
+        self._loop.call_soon_threadsafe(self._flowing.set)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -143,6 +154,8 @@ class Relay:
         self._links.clear()
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._links.add(writer)
+        await self._flowing.wait()
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError:
@@ -157,7 +170,12 @@ class Relay:
             end.transport.abort()
 
     async def _copy(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while chunk := await reader.read(65536):
+        while True:
+            await self._flowing.wait()
+            chunk = await reader.read(65536)
+            if not chunk:
+                break
+            await self._flowing.wait()  # a stall that began during the read holds it
             writer.write(chunk)
             await writer.drain()
         writer.transport.abort()

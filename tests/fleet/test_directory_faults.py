@@ -1,6 +1,7 @@
 """Faults of the directory and of the links around it, under a fleet of real routers
-(design §10): Redis paused, Redis killed and restarted empty, the link between two
-routers cut (a TCP relay the test owns in front of a router's peer listener).
+(design §10): Redis paused, Redis killed and restarted empty, a router cut off from
+Redis, the link between two routers cut or gone silent (a TCP relay the test owns in
+front of Redis or of a router's peer listener).
 
 Every answer is judged by `FleetClient` (own worker's 200, never a 200 after a 410,
 never a 401 for a live episode); each test bounds what the fault may add.
@@ -215,3 +216,43 @@ def first_410(episode: TrackedEpisode) -> float:
     answer = episode.first(WORKER_EXITED)
     assert answer is not None, episode.answers
     return answer.at
+
+
+async def test_a_silent_link_between_two_routers_holds_the_hops_until_it_heals_never_410(
+    fleet: Fleet, session: aiohttp.ClientSession
+) -> None:
+    fleet.start(2, peer_relays=("r1",))
+    client = await warmed(fleet, session, seed=9)
+    r2, relay = fleet.routers["r2"], fleet.peer_relays["r1"]
+    victims, others = client.of("r1"), client.of("r2")
+    stalled_at = time.monotonic()
+    relay.stall()  # no close, no refusal: the bytes stop, as in a partition
+    held = [asyncio.create_task(client.call(e, r2)) for e in victims]
+    await rounds_for_episodes(client, others, 2 * LEASE_S)  # past a lease: r1 stays alive
+    assert not any(task.done() for task in held)
+    members = fleet.routers["r2"].routers_view()["members"]
+    assert {m["router_id"]: m["alive"] for m in members} == {"r1": True, "r2": True}
+    flowed_at = time.monotonic()
+    relay.flow()
+    answers = await asyncio.gather(*held)
+    await client.round()
+    print(
+        "\n"
+        + client.summary(
+            f"peer link to r1 silent {flowed_at - stalled_at:.1f} s,"
+            f" the held hops answered {max(a.at for a in answers) - flowed_at:.2f} s after"
+        )
+    )
+    assert client.problems() == [], "\n".join(client.problems())
+    assert unexpected(client.episodes, ()) == []
+    assert {a.status for a in answers} == {200}  # each held call served once, in order
+    assert all(a.at >= flowed_at for a in answers)
+
+
+async def rounds_for_episodes(
+    client: FleetClient, episodes: list[TrackedEpisode], seconds: float
+) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        await client.round(episodes)
+        await asyncio.sleep(ROUND_PAUSE_S)
