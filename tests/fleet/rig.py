@@ -31,8 +31,10 @@ import socket
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +52,6 @@ from tests.e2e.conftest import (
     demo_worker_command,
     free_port,
     free_port_range,
-    get_json,
     wait_until,
 )
 
@@ -58,6 +59,7 @@ LEASE_S = 2.0  # short, so a lapse is seconds; the heartbeat runs every third of
 HEARTBEAT_S = LEASE_S / 3
 PREFIX = "episode-router"
 PEER_SECRET_ENV = "EPISODE_ROUTER_PEER_SECRET"
+ADMIN_TOKEN_ENV = "EPISODE_ROUTER_ADMIN_TOKEN"
 HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 WORKER_IDS = ("w0", "w1")
 REQUEST_TIMEOUT_S = 10.0  # far above any answer the contract allows
@@ -89,6 +91,41 @@ def redis_on_a_fixed_port(folder: Path) -> RedisServer:
     server = RedisServer(folder)
     server.port = free_port()
     return server
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a router runs: the address its listeners bind, and what its argument vector
+    starts with (`ip netns exec <name>` for one in a network namespace; `ip` execs the
+    router, so the pid the launcher holds is the router's own)."""
+
+    host: str
+    argv_prefix: tuple[str, ...] = ()
+
+
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy, ever
+
+
+def admin_json(url: str, token: str, timeout: float = 2.0) -> tuple[int, Any] | None:
+    """GET `url` with a bearer token on a new connection: (status, JSON or None), or
+    None if unreachable."""
+    headers = {"Connection": "close", "Authorization": f"Bearer {token}"}
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        with _DIRECT.open(request, timeout=timeout) as reply:
+            return int(reply.status), _json_or_none(reply.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return int(exc.code), _json_or_none(exc.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _json_or_none(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
 
 
 # --- a TCP relay the test cuts -------------------------------------------------------------
@@ -195,6 +232,7 @@ class FleetRouter:
     peer_port: int
     config_path: Path
     process: Process
+    admin_token: str
     paused: bool = False
     in_service: bool = True  # whether the Service sends it requests
 
@@ -207,7 +245,9 @@ class FleetRouter:
         return f"http://{self.host}:{self.admin_port}"
 
     def admin(self, path: str) -> tuple[int, Any] | None:
-        return get_json(self.admin_url + path)
+        """GET an admin path, with the admin token (needed off loopback), on a new
+        connection: (status, JSON body or None), or None if unreachable."""
+        return admin_json(self.admin_url + path, self.admin_token)
 
     def workers(self) -> dict[str, dict[str, Any]]:
         """The admin API's view of every worker, by id ({} while unreachable)."""
@@ -256,8 +296,12 @@ class Fleet:
         self.relays: list[Relay] = []
         self.peer_relays: dict[str, Relay] = {}  # router id -> the relay its peers dial
         self.secret = secrets.token_hex(16)
+        self.admin_token = secrets.token_hex(16)
         # Keys of every router's `directory:` section on top of the rig's own.
         self.directory_settings: dict[str, Any] = {}
+        # Where router i (0-based) runs: its address and what its argv starts with (a
+        # network namespace's `ip netns exec`); by default 127.0.0.2-4 here.
+        self.placement: Callable[[int], Placement] = lambda index: Placement(HOSTS[index])
 
     def relay(self, target_host: str, target_port: int) -> Relay:
         relay = Relay(target_host, target_port)
@@ -278,22 +322,27 @@ class Fleet:
         for index in range(count):
             router_id = f"r{index + 1}"
             url = (directory_urls or {}).get(router_id, self.redis.url)
-            started.append(self._launch(router_id, HOSTS[index], url, router_id in peer_relays))
+            place = self.placement(index)
+            started.append(self._launch(router_id, place, url, router_id in peer_relays))
         for router in started:
             self.wait_ready(router)
         return started
 
-    def _launch(self, router_id: str, host: str, url: str, relayed: bool) -> FleetRouter:
+    def _launch(self, router_id: str, place: Placement, url: str, relayed: bool) -> FleetRouter:
         folder = self.launcher.root / router_id
         folder.mkdir()
-        public_port, admin_port, peer_port = (free_port_on(host) for _ in range(3))
+        host = place.host
+        # A namespace's own address is not bindable here, and nothing else uses it.
+        public_port, admin_port, peer_port = (
+            free_port() if place.argv_prefix else free_port_on(host) for _ in range(3)
+        )
         peer: dict[str, Any] = {"listen": f"{host}:{peer_port}", "secret_env": PEER_SECRET_ENV}
         if relayed:
             self.peer_relays[router_id] = self.relay(host, peer_port)
             peer["advertise"] = self.peer_relays[router_id].address
         config = {
             "listen": {"host": host, "port": public_port},
-            "admin": {"host": host, "port": admin_port},
+            "admin": {"host": host, "port": admin_port, "token_env": ADMIN_TOKEN_ENV},
             "control": {"socket": f"unix:{folder / 'control.sock'}", "lease_timeout_s": 3},
             "claims": {"recovery_window_s": 1},
             "timeouts": {"shutdown_grace_s": 3},
@@ -314,12 +363,18 @@ class Fleet:
         }
         config_path = folder / "router.yaml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        argv = [sys.executable, "-m", "router.cli", "run"]
-        process = self.launcher.start(
-            router_id, [*argv, "--config", str(config_path)], env={PEER_SECRET_ENV: self.secret}
-        )
+        argv = [*place.argv_prefix, sys.executable, "-m", "router.cli", "run"]
+        env = {PEER_SECRET_ENV: self.secret, ADMIN_TOKEN_ENV: self.admin_token}
+        process = self.launcher.start(router_id, [*argv, "--config", str(config_path)], env=env)
         router = FleetRouter(
-            router_id, host, public_port, admin_port, peer_port, config_path, process
+            router_id,
+            host,
+            public_port,
+            admin_port,
+            peer_port,
+            config_path,
+            process,
+            self.admin_token,
         )
         self.routers[router_id] = router
         return router
