@@ -9,9 +9,9 @@ the peer hop to the owner's router. Every answer is judged by the fleet tests' c
 (`tests/fleet/rig.py`): a 200 must come from the episode's own worker with its counter
 exactly one further, and `misrouted` counts those served or refused by a worker that
 does not hold the episode. No fault is made: the run passes when every call is its own
-worker's 200 or a 503 `recovering` (a lookup past `directory.lookup_timeout_ms` on a
-loaded machine, the contract's answer; counted and printed with each router's lookup
-metrics, so a run shows how many).
+worker's 200 or, for at most 1% of them, a 503 `recovering` (a lookup past
+`directory.lookup_timeout_ms` on a loaded machine, the contract's answer; counted and
+printed with each router's lookup metrics, so a run shows how many).
 
     EPISODE_ROUTER_STRESS=1 python stress/fleet.py [--episodes 2000] [--calls 8] [--concurrency 64]
 
@@ -52,6 +52,9 @@ CALLS = 8
 CONCURRENCY = 64  # episodes in flight at once
 RUN_DEADLINE_S = 1800.0  # the whole run: a wedged fleet fails, it never hangs
 SHOWN_PROBLEMS = 10
+# At most this share of the calls may be 503 `recovering` (measured here: 0-18 of 16,000
+# at 64 in flight with 50 ms lookups on a 2-core machine); past it the run fails.
+RECOVERING_SHARE = 0.01
 DIRECTORY_METRICS = (
     "episode_router_directory_lookups_total",
     "episode_router_directory_errors_total",
@@ -83,8 +86,10 @@ class FleetReport:
 
     @property
     def passed(self) -> bool:
-        made = self.codes.total() == self.episodes * self.calls
-        return made and self.problem_count == 0 and self.unexpected == 0
+        made = self.episodes * self.calls
+        recovering_ok = self.codes["503 recovering"] <= made * RECOVERING_SHARE
+        fine = self.problem_count == 0 and self.unexpected == 0 and recovering_ok
+        return self.codes.total() == made and fine
 
     def percentile_ms(self, share: float) -> float:
         if len(self.latencies_s) < 2:
