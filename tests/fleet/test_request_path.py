@@ -357,3 +357,35 @@ async def test_a_router_starts_while_its_directory_is_down_and_registers_once_it
     finally:
         redis.stop()
         shutil.rmtree(redis.folder, ignore_errors=True)
+
+
+async def test_a_router_restarted_within_its_lease_keeps_its_episodes_fleet_wide(
+    fleet: Fleet, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    tok, _ = await fleet.episode_on("r1")
+    crashed = fleet.routers["r1"]
+    assert crashed.fleet is not None
+    # A crash, as the directory sees it: no certificate written (SIGTERM would write
+    # one, and its episodes would be 410 at once). Its worker runs on and reconnects.
+    crashed.fleet.directory.epoch = None
+    await crashed.stop()
+    # The default recovery window (the rig's routers have none): unknown keys are 503
+    # while the workers reconnect and sync.
+    claims = dataclasses.replace(crashed.config.claims, recovery_window_s=30.0)
+    restarted = RouterService(dataclasses.replace(crashed.config, claims=claims))
+    await restarted.start()
+    fleet.stack.push_async_callback(restarted.stop)
+    fleet.routers["r1"] = restarted
+    assert restarted.fleet is not None and await restarted.fleet.wait_registered(5.0)
+    answers: list[int] = []
+
+    async def served_again() -> bool:
+        reply = await fleet.call("r2", tok)
+        answers.append(reply.status)
+        return reply.status == 200 and reply.worker == "r1-w0"
+
+    # Until the worker syncs with the restarted router, its episodes are 503 recovering
+    # there (and on r2, forwarded to it): never 410, never 401.
+    await wait_until(served_again, "the worker to sync with the restarted router", 10.0)
+    assert set(answers) <= {200, 503}, answers
+    assert (await fleet.call("r1", tok)).worker == "r1-w0"
