@@ -71,6 +71,7 @@ def test_sentinel_waits_for_one_replica_by_default_and_the_password_comes_from_t
             "set one of",
         ),
         ("directory: {url: http://a:1}\n" + PEER, "directory.url", "expected redis://"),
+        ("directory: {url: 'redis://:pw@a:1/0'}\n" + PEER, "directory.url", "password_env"),
         ("directory: {url: 'unix:relative.sock'}\n" + PEER, "directory.url", "absolute"),
         (
             "directory: {url: redis://a:1/0, router_id: 'a b'}\n" + PEER,
@@ -123,6 +124,11 @@ def test_what_a_fleet_config_gets_wrong_is_named(text: str, key_path: str, reaso
 def test_a_short_peer_secret_is_refused() -> None:
     error = refused("directory: {url: redis://a:1/0}\n" + PEER, {**ENV, "PEER_SECRET": "short"})
     assert error.key_path == "peer.secret_env" and "at least 16" in error.reason
+
+
+def test_a_null_router_id_is_the_pod_name() -> None:
+    config = parse("directory: {url: redis://a:1/0, router_id: null}\n" + PEER)
+    assert config.directory is not None and config.directory.router_id == "router-7f9c-abcde"
 
 
 def test_the_router_id_falls_back_to_the_host_name_without_hostname() -> None:
