@@ -129,11 +129,21 @@ async def test_a_peers_episode_is_forwarded_to_its_worker_and_stripped_of_the_ho
         assert reply.status == 200, reply
         assert reply.worker == "r1-w0"
     seen = fleet.workers["r1"].seen[-1]
-    # The hop is the routers' own: the worker never sees it.
+    # The hop is the routers' own: the worker never sees it, and it is told of the
+    # client, not of the router that forwarded the request.
     assert all(name.lower() != PEER_HEADER.lower() for name, _ in seen.headers)
+    connector = aiohttp.TCPConnector(local_addr=("127.0.0.5", 0))  # a client of its own address
+    async with aiohttp.ClientSession(connector=connector) as client:
+        port = fleet.routers["r2"].public_port
+        url = f"http://127.0.0.1:{port}/tools/get"
+        async with client.post(url, headers={TOKEN_HEADER: tok}) as reply:
+            assert reply.status == 200
+    seen = fleet.workers["r1"].seen[-1]
+    forwarded_for = [value for name, value in seen.headers if name.lower() == "x-forwarded-for"]
+    assert forwarded_for == ["127.0.0.5"]  # not the router that forwarded it (127.0.0.1)
     r2 = fleet.routers["r2"].fleet
-    assert r2 is not None and r2.counts.peer_forwards == {"forwarded": 2}
-    assert r2.counts.lookups == {"peer": 2}  # each a lookup: held ones are never cached
+    assert r2 is not None and r2.counts.peer_forwards == {"forwarded": 3}
+    assert r2.counts.lookups == {"peer": 3}  # each a lookup: held ones are never cached
 
 
 async def test_an_absent_key_is_503_while_the_fleet_repopulates_then_401(fleet: Fleet) -> None:
