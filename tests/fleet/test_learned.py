@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from router.config import DirectoryConfig, PeerConfig, StaticWorkerConfig
+from router.config import ClaimsConfig, DirectoryConfig, PeerConfig, StaticWorkerConfig
 from tests.app.test_learning import FAST_PROBES, NEMO, GymWorker, Seeded, assert_tool_reply, seed
 from tests.directory import conftest as directory_fixtures
 from tests.directory.conftest import RedisServer
@@ -31,7 +31,11 @@ PEER_SECRET = secrets.token_hex(16)
 
 @asynccontextmanager
 async def gym_router(
-    tmp_path: Path, redis: RedisServer, router_id: str, claim_timeout_s: float = 2.0
+    tmp_path: Path,
+    redis: RedisServer,
+    router_id: str,
+    claim_timeout_s: float = 2.0,
+    learned_idle_ttl_s: float = 3600.0,
 ) -> AsyncIterator[tuple[Rig, GymWorker]]:
     folder = tmp_path / router_id
     folder.mkdir()
@@ -44,6 +48,7 @@ async def gym_router(
             workers=(StaticWorkerConfig(worker.id, worker.url),),
             health=FAST_PROBES,
             sessions=NEMO,
+            claims=ClaimsConfig(recovery_window_s=0.0, learned_idle_ttl_s=learned_idle_ttl_s),
             directory=DirectoryConfig(
                 url=redis.url,
                 router_id=router_id,
@@ -102,3 +107,24 @@ async def test_a_seed_whose_session_the_directory_cannot_take_is_503_not_relayed
         assert views["r1-w0"]["state"] == "live"  # the worker is not blamed
         fresh = await seed(r1)  # the directory answers again: seeds work
         assert fresh.worker == "r1-w0"
+
+
+async def test_a_learned_session_unused_for_the_idle_ttl_ends_on_every_router(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    async with (
+        gym_router(tmp_path, redis_server, "r1", learned_idle_ttl_s=0.5) as (r1, _),
+        gym_router(tmp_path, redis_server, "r2") as (r2, _),
+    ):
+        seeded = await seed(r1)
+        assert (await r2.request("POST", "/tools/add", headers=seeded.with_cookie)).status == 200
+
+        record = f"{{episode-router}}:owner:resources:{seeded.sid}"
+
+        async def ended_in_the_directory() -> bool:  # read there: a call would use it
+            return bool(redis_server.client().hget(record, "s") == "e")
+
+        # Ended on r1 by its idle TTL, then in the directory: r2 answers it from there.
+        await wait_until(ended_in_the_directory, "the idle session to end fleet-wide", 10.0)
+        again = await r2.request("POST", "/tools/add", headers=seeded.with_cookie)
+        again.assert_answer(410, "episode_ended", seeded.sid)
