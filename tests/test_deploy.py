@@ -6,7 +6,11 @@
   K8S_VERSION in strict mode; the ServiceMonitor (a CRD) against a small schema;
   the router config in the ConfigMap through `parse_config`; and the wiring between
   the objects (ports, probes, volumes, selectors, uids, shutdown timing).
-- deploy/compose.yaml, deploy/prometheus/prometheus.yml: parse and wiring.
+- deploy/kubernetes/fleet: the same for several routers on one Redis, and the wiring
+  a fleet needs (one directory, the peer port on the pod and in no Service, POD_IP,
+  the router id, the peer secret, Redis reachable only from the routers).
+- deploy/compose.yaml, deploy/compose-fleet.yaml, deploy/prometheus/prometheus.yml:
+  parse and wiring.
 - deploy/grafana: every expression only names metrics and labels that
   `RouterMetrics` exposes.
 
@@ -33,10 +37,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import AdminConfig, Config, ConfigError, parse_config
 from router.metrics.registry import RouterMetrics
+from router.service.settings import advertised_peer
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "kubernetes"
+FLEET = K8S / "fleet"
 # The oldest Kubernetes with the preStop `sleep` action deployment.yaml uses;
 # kubernetes-validate ships its schemas, so validation needs no network.
 K8S_VERSION = "1.30.0"
@@ -178,10 +184,10 @@ def k8s_validate(doc: dict[str, Any]) -> str:
     return str(kubernetes_validate.validate(doc, K8S_VERSION, strict=True))
 
 
-def manifests() -> dict[str, dict[str, Any]]:
-    """Every object under deploy/kubernetes, by "Kind/name"."""
+def manifests(folder: Path = K8S) -> dict[str, dict[str, Any]]:
+    """Every object in `folder` (deploy/kubernetes by default), by "Kind/name"."""
     objects: dict[str, dict[str, Any]] = {}
-    for path in sorted(K8S.glob("*.yaml")):
+    for path in sorted(folder.glob("*.yaml")):
         for doc in load_yaml_docs(path):
             objects[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
     return objects
@@ -410,6 +416,132 @@ def test_the_services_select_the_pod_and_name_its_ports() -> None:
     assert targets == {"Service/env-server": ["http"], "Service/env-server-router-admin": ["admin"]}
 
 
+# ---------------------------------------------------------------------------- Kubernetes: a fleet
+
+PEER_SECRET = "p" * 32
+POD = {"HOSTNAME": "env-fleet-7d9c5b6f4-x2x9q", "POD_IP": "10.1.2.3"}  # as the kubelet sets them
+
+
+def parse_fleet_config(text: str, source: str, env: dict[str, str]) -> Config:
+    """A fleet router's config, with what its container's environment gives it."""
+
+    def read_file(path: str) -> bytes:
+        return (TOKEN + "\n").encode()
+
+    env = {**env, "EPISODE_ROUTER_ADMIN_TOKEN": TOKEN, "EPISODE_ROUTER_PEER_SECRET": PEER_SECRET}
+    return parse_config(text, source=source, env=env, read_file=read_file)
+
+
+def test_the_fleet_manifests_pass_strict_schema_validation_offline() -> None:
+    objects = manifests(FLEET)
+    assert set(objects) == {
+        "ConfigMap/env-fleet-router",
+        "Deployment/env-fleet",
+        "Service/env-fleet",
+        "Service/env-fleet-router-admin",
+        "StatefulSet/env-fleet-redis",
+        "Service/env-fleet-redis",
+        "NetworkPolicy/env-fleet-redis",
+    }
+    for name, doc in objects.items():
+        assert k8s_validate(doc) == K8S_VERSION.rsplit(".", 1)[0], name
+
+
+def test_the_fleet_pods_share_one_directory_and_reach_each_other_on_the_peer_port() -> None:
+    objects = manifests(FLEET)
+    deployment = objects["Deployment/env-fleet"]
+    assert deployment["spec"]["replicas"] >= 2
+    spec = deployment["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    router, env_server = containers(deployment).values()
+    text = objects["ConfigMap/env-fleet-router"]["data"]["router.yaml"]
+    raw = yaml.safe_load(text)
+    config = parse_fleet_config(text, "fleet/configmap.yaml", POD)
+    assert config.directory is not None and config.peer is not None
+
+    # One router a pod: its id is the pod name, its peers dial the pod IP.
+    assert "router_id" not in raw["directory"] and config.directory.router_id == POD["HOSTNAME"]
+    assert advertised_peer(config, config.peer.port, POD) == f"{POD['POD_IP']}:{config.peer.port}"
+    env = {e["name"]: e for e in router["env"]}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert "HOSTNAME" not in env  # the kubelet sets it to the pod name
+    secret_ref = env[raw["peer"]["secret_env"]]["valueFrom"]["secretKeyRef"]
+    assert secret_ref == {"name": "env-fleet-router-peer", "key": "secret"}
+
+    ports = {p["name"]: p["containerPort"] for p in router["ports"]}
+    assert ports == {
+        "http": config.listen.port,
+        "admin": config.admin.port,
+        "peer": config.peer.port,
+    }
+    # The peer port is on the pod and in no Service: only routers dial it.
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    exposed = {
+        name: [p["targetPort"] for p in obj["spec"]["ports"]]
+        for name, obj in objects.items()
+        if obj["kind"] == "Service" and obj["spec"]["selector"].items() <= pod_labels.items()
+    }
+    assert exposed == {"Service/env-fleet": ["http"], "Service/env-fleet-router-admin": ["admin"]}
+
+    # The rest is the single router's pod: config, admin token, socket, state, shutdown.
+    single = containers(manifests()["Deployment/env-server"])
+    assert env_server == single["env-server"]
+    assert router["securityContext"] == single["episode-router"]["securityContext"]
+    config_path = Path(router["args"][router["args"].index("--config") + 1])
+    assert volumes[mounts(router)[str(config_path.parent)]]["configMap"]["name"] == (
+        "env-fleet-router"
+    )
+    token_path = Path(raw["admin"]["token_file"])
+    token_volume = volumes[mounts(router)[str(token_path.parent)]]
+    assert token_volume["secret"]["secretName"] == "env-fleet-router-admin"
+    assert config.control.unix_path is not None
+    socket_dir = str(Path(config.control.unix_path).parent)
+    assert mounts(router)[socket_dir] == mounts(env_server)[socket_dir] == "control"
+    router_done = router["lifecycle"]["preStop"]["sleep"]["seconds"]
+    router_done += config.timeouts.shutdown_grace_s
+    env_stops_at = env_server["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert router_done <= env_stops_at < spec["terminationGracePeriodSeconds"]
+
+
+def test_the_fleet_reaches_redis_by_its_service_and_only_the_routers_may() -> None:
+    objects = manifests(FLEET)
+    config = parse_fleet_config(
+        objects["ConfigMap/env-fleet-router"]["data"]["router.yaml"], "fleet/configmap.yaml", POD
+    )
+    assert config.directory is not None and config.directory.url is not None
+    found = re.fullmatch(r"redis://([a-z0-9-]+):(\d+)/(\d+)", config.directory.url)
+    assert found is not None, config.directory.url
+    host, port = found[1], int(found[2])
+    service = objects[f"Service/{host}"]
+    redis = objects["StatefulSet/env-fleet-redis"]
+    assert redis["spec"]["serviceName"] == host and service["spec"]["clusterIP"] == "None"
+    pod = redis["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    (service_port,) = service["spec"]["ports"]
+    assert (service_port["port"], named[service_port["targetPort"]]) == (port, 6379)
+    assert re.fullmatch(r"redis:7\.\d+\.\d+", container["image"])
+    args = container["args"]
+    options = dict(zip(args[::2], args[1::2], strict=True))
+    assert options["--appendonly"] == "yes" and options["--maxmemory-policy"] == "noeviction"
+    claim = redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"]
+    assert {m["mountPath"]: m["name"] for m in container["volumeMounts"]} == {
+        options["--dir"]: claim
+    }
+
+    policy = objects["NetworkPolicy/env-fleet-redis"]["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert policy["policyTypes"] == ["Ingress"]
+    (rule,) = policy["ingress"]
+    (source,) = rule["from"]
+    router_labels = objects["Deployment/env-fleet"]["spec"]["template"]["metadata"]["labels"]
+    assert source["podSelector"]["matchLabels"].items() <= router_labels.items()
+    assert len(source["podSelector"]["matchLabels"]) >= 2  # not every pod of the app
+    assert [p["port"] for p in rule["ports"]] == [service_port["targetPort"]]
+
+
 # ---------------------------------------------------------------------------- compose
 
 
@@ -465,6 +597,51 @@ def test_the_kubernetes_and_compose_env_servers_run_the_same_workers() -> None:
     k8s = containers(manifests()["Deployment/env-server"])["env-server"]["args"][0]
     local = compose()["services"]["env-server"]["command"][0].replace("$$", "$")
     assert k8s == local
+
+
+def test_compose_fleet_runs_two_routers_on_one_redis_each_its_own_id_and_peer_address() -> None:
+    data = yaml.safe_load((DEPLOY / "compose-fleet.yaml").read_text())
+    services = data["services"]
+    assert set(services) == {"router-a", "router-b", "redis"}
+    routers = {name: services[name] for name in ("router-a", "router-b")}
+    text = data["configs"]["router_config"]["content"]
+    seen: dict[str, tuple[str, str]] = {}
+    published = []
+    for name, service in routers.items():
+        assert [c["target"] for c in service["configs"]] == ["/etc/episode-router/router.yaml"]
+        for variable in ("EPISODE_ROUTER_ADMIN_TOKEN", "EPISODE_ROUTER_PEER_SECRET"):
+            assert service["environment"][variable].startswith(f"${{{variable}:?")
+        # Docker sets HOSTNAME to the container's `hostname`.
+        env = {"HOSTNAME": service["hostname"], "POD_IP": service["environment"]["POD_IP"]}
+        config = parse_fleet_config(text, "compose-fleet.yaml", env)
+        assert config.directory is not None and config.peer is not None
+        peer = advertised_peer(config, config.peer.port, env)
+        seen[name] = (config.directory.router_id, peer)
+        assert peer == f"{name}:{config.peer.port}"  # the name the compose network resolves
+        assert config.directory.url == "redis://redis:6379/0"
+        assert service["depends_on"]["redis"]["condition"] == "service_healthy"
+        ports = [p.rsplit(":", 2) for p in service["ports"]]
+        assert all(host == "127.0.0.1" for host, _, _ in ports)
+        assert sorted(int(inside) for _, _, inside in ports) == sorted(
+            [config.listen.port, config.admin.port]
+        )  # the peer port is published to no host port
+        published += [int(outside) for _, outside, _ in ports]
+        assert config.spawn is not None and "python -m router.demo" in config.spawn.command
+        assert config.control.unix_path is not None
+        (control,) = [
+            v for v in service["volumes"] if v.endswith(str(Path(config.control.unix_path).parent))
+        ]
+        assert control.split(":")[0] in data["volumes"]
+    assert len({router_id for router_id, _ in seen.values()}) == 2
+    assert len(set(published)) == len(published)
+    assert len({tuple(s["volumes"]) for s in routers.values()}) == 2  # a socket each
+    assert (DEPLOY / routers["router-a"]["build"]["context"]).resolve() == ROOT
+    assert routers["router-b"]["image"] == routers["router-a"]["image"]
+    redis = services["redis"]
+    assert "ports" not in redis  # only the routers reach it
+    command = redis["command"]
+    assert command[0] == "redis-server" and "--appendonly" in command
+    assert command[command.index("--appendonly") + 1] == "yes"
 
 
 # ---------------------------------------------------------------------------- Prometheus

@@ -39,6 +39,7 @@ from router.fleet import (
     verify,
 )
 from router.metrics import RouterMetrics
+from router.protocol import is_ip
 from router.relay import Forwarder, Upstream, UpstreamFailure, as_value
 from router.sessions import ReplyLearner, SessionReader, SessionRef, plan_learning
 
@@ -232,6 +233,11 @@ class PublicHandler(ExchangeOwner):
         if hop.receiver != fleet.incarnation:
             fleet.counts.refused_hop("not_owner")
             return not_owner(key)
+        # The client is the one the sending router saw (it set X-Forwarded-For to it,
+        # dropping any the client sent), not the sending router: the worker is told so.
+        forwarded_for = request.getall("X-Forwarded-For", [])
+        if len(forwarded_for) == 1 and is_ip(forwarded_for[0]):
+            request.remote = forwarded_for[0]
         return None
 
     async def _look_up_and_route(self, exchange: Exchange, kind: str, key: str) -> None:

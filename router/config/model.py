@@ -390,7 +390,7 @@ class DirectoryConfig:
     router_id: str = ""
     # One fleet per Redis needs no configuration; several fleets share one with several.
     prefix: str = DEFAULT_PREFIX
-    # A dead pod's episodes turn 410 within lease + one heartbeat (about 13 s).
+    # A dead pod's episodes turn 410 at most one lease after its last heartbeat.
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     # A miss waits at most this for its owner before 503 `recovering`.
     lookup_timeout_ms: int = DEFAULT_LOOKUP_TIMEOUT_MS

@@ -191,7 +191,7 @@ def _directory(root: Section) -> DirectoryConfig | None:
         raise sec.fail(None, "set one of `url` (a Redis) and `sentinel` (a primary under Sentinel)")
     if url is not None and (problem := _redis_url_problem(url)):
         raise sec.fail("url", problem)
-    router_id = sec.text("router_id", _pod_name(sec.ctx.env))
+    router_id = sec.optional_text("router_id") or _pod_name(sec.ctx.env)  # null: the default
     prefix = sec.text("prefix", d.prefix)
     for key, value in (("router_id", router_id), ("prefix", prefix)):
         if not _DIRECTORY_NAME.fullmatch(value):
@@ -228,6 +228,8 @@ def _redis_url_problem(url: str) -> str | None:
         return None if path.startswith("/") else "a unix: socket path is absolute"
     if not url.startswith(("redis://", "rediss://")):
         return f"expected redis://host:port/db, rediss://... or unix:/path, got {quote(url)}"
+    if "@" in url.partition("://")[2].partition("/")[0]:
+        return "credentials in the url are inline secrets: use password_env or password_file"
     return None
 
 

@@ -112,6 +112,8 @@ class TickResult:
     lost: list[Worker] = field(default_factory=list)  # leases that went silent
     exited: list[Worker] = field(default_factory=list)
     recovery_ended: bool = False
+    # Learned claims that ended unused (kind, key): a fleet's directory is told too.
+    expired_learned: list[tuple[str, str]] = field(default_factory=list)
 
 
 # Exited workers the registry keeps (for the admin API and the per-worker metrics), the
@@ -411,6 +413,7 @@ class RouterCore:
         for claim in self.claims.expire_idle_learned(now, self.settings.learned_idle_ttl_s):
             # Journaled as a release: replayed, it must not come back held.
             self.journal.release(claim.kind, claim.key, claim.worker)
+            result.expired_learned.append((claim.kind, claim.key))
         if self._recovery_ends_at is not None and now >= self._recovery_ends_at:
             result.exited.extend(self._end_recovery(now))
             result.recovery_ended = True

@@ -25,7 +25,7 @@ class DirectorySettings:
     router_id: str
     peer_address: str = ""  # where peers reach this router's peer listener; none yet
     prefix: str = DEFAULT_PREFIX
-    # 10 s: a dead pod's episodes turn 410 within lease + one heartbeat (about 13 s),
+    # 10 s: a dead pod's episodes turn 410 at most one lease after its last heartbeat,
     # while a GC pause or a slow Redis of a few seconds fences nobody.
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     # 50 ms: a miss waits at most this for its owner before 503 `recovering`; a local

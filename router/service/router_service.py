@@ -381,6 +381,9 @@ class RouterService:
             self.control.close_lease(worker)
         if result.recovery_ended:
             log.info("recovery window ended")
+        if self.fleet is not None:
+            for kind, key in result.expired_learned:
+                self.fleet.released(kind, key)  # ended fleet-wide, as a close would
         self._maybe_compact_journal()
 
     def _probed_change(self, worker: Worker) -> None:

@@ -226,3 +226,42 @@ async def test_a_directory_that_lost_its_data_answers_lost_and_epochs_keep_growi
     again = await directory.register()
     assert again.epoch > before  # seeded from the directory's clock, not from 0
     assert await directory.claim([EP]) == (ClaimOutcome(ClaimVerdict.CLAIMED),)
+
+
+async def test_a_router_restarted_within_its_lease_claims_its_keys_back(
+    redis_client: Redis, redis_server: RedisServer
+) -> None:
+    before = await directory_for(redis_client, "r1")
+    other = await directory_for(redis_client, "r2")
+    assert await before.claim([EP]) == (ClaimOutcome(ClaimVerdict.CLAIMED),)
+    old_epoch = before.epoch
+    after = await directory_for(redis_client, "r1", peer_address="http://127.0.0.1:3")  # restart
+    assert (
+        redis_server.client().get(f"{{episode-router}}:dead:r1:{old_epoch}").startswith("replaced ")
+    )
+    # Before the restarted router writes its table back, the key is its successor's:
+    # forwarded there (never 410), and answered from its table.
+    seen = (await other.lookup_one(*EP)).result
+    assert seen.state is LookupState.HELD
+    assert seen.owner == Owner("r1", after.epoch or 0, OwnerState.HELD)
+    assert seen.peer == "http://127.0.0.1:3"
+    await other.sweep()  # the replaced incarnation's records are given their TTL
+    assert await after.claim([EP]) == (ClaimOutcome(ClaimVerdict.CLAIMED),)
+    assert await redis_client.pttl("{episode-router}:owner:episode:ep7-a0") == -1  # kept
+    assert await other.claim([EP]) == (ClaimOutcome(ClaimVerdict.CONFLICT, "r1"),)
+    assert (await before.heartbeat()).standing is Standing.FENCED
+
+
+async def test_a_router_restarted_after_its_lease_lapsed_does_not_get_its_keys_back(
+    redis_client: Redis, redis_server: RedisServer
+) -> None:
+    before = await directory_for(redis_client, "r1", lease_ttl_s=0.4)
+    other = await directory_for(redis_client, "r2", lease_ttl_s=0.4)
+    assert await before.claim([EP]) == (ClaimOutcome(ClaimVerdict.CLAIMED),)
+    old_epoch = before.epoch
+    await keep_beating(other, 0.8)  # r1 silent past its lease: anyone may have said 410
+    after = await directory_for(redis_client, "r1", lease_ttl_s=0.4)
+    certificate = redis_server.client().get(f"{{episode-router}}:dead:r1:{old_epoch}")
+    assert certificate.startswith("lapsed ")
+    assert (await other.lookup_one(*EP)).result.state is LookupState.DEAD
+    assert await after.claim([EP]) == (ClaimOutcome(ClaimVerdict.EXITED),)

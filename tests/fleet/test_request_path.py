@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import secrets
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
@@ -127,11 +129,21 @@ async def test_a_peers_episode_is_forwarded_to_its_worker_and_stripped_of_the_ho
         assert reply.status == 200, reply
         assert reply.worker == "r1-w0"
     seen = fleet.workers["r1"].seen[-1]
-    # The hop is the routers' own: the worker never sees it.
+    # The hop is the routers' own: the worker never sees it, and it is told of the
+    # client, not of the router that forwarded the request.
     assert all(name.lower() != PEER_HEADER.lower() for name, _ in seen.headers)
+    connector = aiohttp.TCPConnector(local_addr=("127.0.0.5", 0))  # a client of its own address
+    async with aiohttp.ClientSession(connector=connector) as client:
+        port = fleet.routers["r2"].public_port
+        url = f"http://127.0.0.1:{port}/tools/get"
+        async with client.post(url, headers={TOKEN_HEADER: tok}) as reply:
+            assert reply.status == 200
+    seen = fleet.workers["r1"].seen[-1]
+    forwarded_for = [value for name, value in seen.headers if name.lower() == "x-forwarded-for"]
+    assert forwarded_for == ["127.0.0.5"]  # not the router that forwarded it (127.0.0.1)
     r2 = fleet.routers["r2"].fleet
-    assert r2 is not None and r2.counts.peer_forwards == {"forwarded": 2}
-    assert r2.counts.lookups == {"peer": 2}  # each a lookup: held ones are never cached
+    assert r2 is not None and r2.counts.peer_forwards == {"forwarded": 3}
+    assert r2.counts.lookups == {"peer": 3}  # each a lookup: held ones are never cached
 
 
 async def test_an_absent_key_is_503_while_the_fleet_repopulates_then_401(fleet: Fleet) -> None:
@@ -268,3 +280,122 @@ async def test_admin_routers_and_the_metrics_show_the_fleet(fleet: Fleet) -> Non
     assert 'episode_router_peer_forwards_total{outcome="forwarded"} 1.0' in text
     assert "episode_router_directory_registered 1.0" in text
     assert "episode_router_directory_lookup_seconds_count 1.0" in text
+
+
+async def test_a_router_paused_past_its_lease_is_fenced_and_never_serves_a_key_answered_410(
+    fleet: Fleet,
+) -> None:
+    tok, key = await fleet.episode_on("r1")
+    r1 = fleet.routers["r1"].fleet
+    assert r1 is not None
+    epoch = r1.directory.epoch
+    await r1.heartbeat.stop()  # as if paused: its lease lapses, r2's sweep certifies it
+
+    async def dead_elsewhere() -> bool:
+        return (await fleet.call("r2", tok)).status == 410
+
+    await wait_until(dead_elsewhere, "r1's lease to lapse", timeout_s=LEASE_S * 4)
+    (await fleet.call("r2", tok)).assert_answer(410, "worker_exited", key)
+    # Back from its pause, its next beat is answered FENCED: its claims turn 410 here too.
+    assert await r1.heartbeat.beat_once() is False
+    (await fleet.call("r1", tok)).assert_answer(410, "worker_exited", key)
+    assert r1.counts.fenced == 1 and r1.counts.declared_exited == 1
+
+    async def registered_again() -> bool:
+        return r1.registered and r1.directory.epoch != epoch
+
+    await wait_until(registered_again, "r1 to register under a new epoch")
+    # Its workers run on: a new episode is served through either router.
+    fresh, _ = await fleet.episode_on("r1")
+    assert (await fleet.call("r2", fresh)).worker == "r1-w0"
+    (await fleet.call("r1", tok)).assert_answer(410, "worker_exited", key)
+
+
+async def test_a_directory_that_lost_its_data_is_repopulated_from_the_routers_tables(
+    fleet: Fleet, redis_server: RedisServer
+) -> None:
+    tok, key = await fleet.episode_on("r1")
+    await settled(fleet)
+    assert (await fleet.call("r2", tok)).worker == "r1-w0"
+    redis_server.client().flushall()  # a restart without persistence, as the routers see it
+    answers: list[int] = []
+
+    async def forwarded_again() -> bool:
+        reply = await fleet.call("r2", tok)
+        answers.append(reply.status)
+        if reply.status == 503:
+            reply.assert_answer(503, "recovering", key)  # never a wrong 401
+        return reply.status == 200 and reply.worker == "r1-w0"
+
+    await wait_until(forwarded_again, "r1 to write its table back", timeout_s=LEASE_S * 4)
+    assert set(answers) <= {200, 503}, answers
+    r1 = fleet.routers["r1"].fleet
+    assert r1 is not None and r1.counts.lost == 1
+    assert (await fleet.call("r1", tok)).worker == "r1-w0"
+
+
+async def test_a_router_starts_while_its_directory_is_down_and_registers_once_it_is_up(
+    tmp_path: Path,
+) -> None:
+    redis = RedisServer(Path(tempfile.mkdtemp(prefix="er-redis-")))  # not started yet
+    try:
+        service = RouterService(fleet_config(tmp_path, redis, "r1"))
+        await service.start()
+        try:
+            assert service.fleet is not None and not service.fleet.registered
+            worker = EchoWorker("r1-w0", service.config.control.socket)
+            await worker.serve()
+            try:
+                await worker.connect()
+                async with aiohttp.ClientSession() as http:
+                    port = service.public_port
+                    unknown, _ = an_episode("early")
+                    async with http.post(
+                        f"http://127.0.0.1:{port}/tools/get", headers={TOKEN_HEADER: unknown}
+                    ) as reply:
+                        assert reply.status == 503  # recovering: never a wrong 401
+                redis.start()
+                assert await service.fleet.wait_registered(5.0)
+                _, key = an_episode("later")
+                await worker.claim(key)  # through the directory now
+                record = redis.client().hget(f"{{episode-router}}:owner:episode:{key}", "r")
+                assert record == "r1"
+            finally:
+                await worker.close()
+        finally:
+            await service.stop()
+    finally:
+        redis.stop()
+        shutil.rmtree(redis.folder, ignore_errors=True)
+
+
+async def test_a_router_restarted_within_its_lease_keeps_its_episodes_fleet_wide(
+    fleet: Fleet, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    tok, _ = await fleet.episode_on("r1")
+    crashed = fleet.routers["r1"]
+    assert crashed.fleet is not None
+    # A crash, as the directory sees it: no certificate written (SIGTERM would write
+    # one, and its episodes would be 410 at once). Its worker runs on and reconnects.
+    crashed.fleet.directory.epoch = None
+    await crashed.stop()
+    # The default recovery window (the rig's routers have none): unknown keys are 503
+    # while the workers reconnect and sync.
+    claims = dataclasses.replace(crashed.config.claims, recovery_window_s=30.0)
+    restarted = RouterService(dataclasses.replace(crashed.config, claims=claims))
+    await restarted.start()
+    fleet.stack.push_async_callback(restarted.stop)
+    fleet.routers["r1"] = restarted
+    assert restarted.fleet is not None and await restarted.fleet.wait_registered(5.0)
+    answers: list[int] = []
+
+    async def served_again() -> bool:
+        reply = await fleet.call("r2", tok)
+        answers.append(reply.status)
+        return reply.status == 200 and reply.worker == "r1-w0"
+
+    # Until the worker syncs with the restarted router, its episodes are 503 recovering
+    # there (and on r2, forwarded to it): never 410, never 401.
+    await wait_until(served_again, "the worker to sync with the restarted router", 10.0)
+    assert set(answers) <= {200, 503}, answers
+    assert (await fleet.call("r1", tok)).worker == "r1-w0"

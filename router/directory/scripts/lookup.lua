@@ -1,7 +1,8 @@
 -- lookup: owner records and their owners' liveness, for a batch of keys, in one call.
 -- KEYS: the owner records. ARGV: prefix, lease ms, quiet ms.
 -- Answers now, since, grace, then per key: code, router, epoch, peer, with code 'a'
--- (absent), 'h' (held by a live incarnation), 'e' (ended), 'x' (held by a dead one).
+-- (absent), 'h' (held by a live incarnation, or by the live one that replaced a
+-- restarted holder: it names that one), 'e' (ended), 'x' (held by a dead one).
 local lease_ms, quiet_ms = tonumber(ARGV[2]), tonumber(ARGV[3])
 local now = now_ms()
 local since, grace = fleet_grace(now, lease_ms, quiet_ms)
@@ -18,11 +19,17 @@ for _, k in ipairs(KEYS) do
     local peer = seen[holder]
     if peer == nil then
       local status, address = standing(o[1], o[2], now, grace)
-      peer = status == 'ok' and address or false
+      if status == 'ok' then
+        peer = {o[2], address}
+      else
+        local epoch, successor_peer = successor(o[1], o[2], now, grace)
+        peer = epoch and {tostring(epoch), successor_peer} or false
+      end
       seen[holder] = peer
     end
-    out[#out + 1] = peer and 'h' or 'x'; out[#out + 1] = o[1]; out[#out + 1] = o[2]
-    out[#out + 1] = peer or ''
+    out[#out + 1] = peer and 'h' or 'x'; out[#out + 1] = o[1]
+    out[#out + 1] = peer and peer[1] or o[2]
+    out[#out + 1] = peer and peer[2] or ''
   end
 end
 return out
