@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, Final
 
 from router.app.destination import destination
@@ -24,7 +24,7 @@ from router.app.exchange import (
     ExchangeOwner,
     failure_answer,
 )
-from router.core import Answer, Forward, RouterCore, Worker
+from router.core import Answer, ClaimState, Forward, RouterCore, Worker
 from router.directory import ClaimGate, RequestMeaning
 from router.edge import BodyBroken, PublicRequest, framing_problem
 from router.fleet import (
@@ -32,6 +32,7 @@ from router.fleet import (
     FleetLink,
     Lookup,
     answer_for,
+    lease_lapsed,
     not_owner,
     owner_unreachable,
     peer_refused,
@@ -46,6 +47,9 @@ from router.sessions import ReplyLearner, SessionReader, SessionRef, plan_learni
 log = logging.getLogger("episode_router.public")
 access_log = logging.getLogger("episode_router.access")
 
+HELD: Final = ClaimState.HELD
+# A router's own 421 answer fits in this (a worker's larger 421 is relayed as it is).
+NOT_OWNER_BODY_BYTES: Final = 1024
 # Peer addresses whose upstreams are kept: far more than a fleet has routers.
 MAX_KEPT_PEERS: Final = 1024
 MAX_SESSIONLESS_TRIES: Final = 3  # a sessionless request nothing of which reached a worker
@@ -186,16 +190,23 @@ class PublicHandler(ExchangeOwner):
                 if header is not None:
                     exchange.request.keep_one_header(header, found.one_line)
         exchange.kind = kind
-        if self.fleet is not None:
+        fleet = self.fleet
+        if fleet is not None:
             if self.peer_side:
                 refusal = self._peer_refusal(exchange.request, kind, key)
                 if refusal is not None:
                     self._answer(exchange, refusal)
                     return None
-            elif (
-                kind is not None and key is not None and self.core.claims.lookup(kind, key) is None
-            ):
-                return self._look_up_and_route(exchange, kind, key)
+            if kind is not None and key is not None:
+                claim = self.core.claims.lookup(kind, key)
+                if claim is None and not self.peer_side:
+                    return self._look_up_and_route(exchange, kind, key)
+                # A held key only: an ended or exited one is 410 for good, lease or not.
+                if claim is not None and claim.state is HELD and not fleet.serving(self._clock()):
+                    # Checked as it is served, not as it was accepted: a request that
+                    # waited in a paused router's backlog meets the lapse too.
+                    self._answer(exchange, lease_lapsed(key))
+                    return None
         if kind is not None and key is not None and self.sessions.learns:
             decision = self._route_on(exchange, kind, key)
         else:
@@ -262,6 +273,9 @@ class PublicHandler(ExchangeOwner):
                     exchange.decided = _perf_counter()
                 self._answer(exchange, answer)
                 return
+        elif not fleet.serving(self._clock()):  # the key was claimed while it was looked up
+            self._answer(exchange, lease_lapsed(key))
+            return
         if self.sessions.learns:
             decision = self._route_on(exchange, kind, key)
         else:
@@ -276,9 +290,27 @@ class PublicHandler(ExchangeOwner):
     async def _forward_to_peer(
         self, exchange: Exchange, kind: str, key: str, found: Lookup
     ) -> None:
-        """One hop to the router that holds `key`, signed; its answer relayed as it is.
-        A peer that cannot be reached (nothing of the request sent) is 503
-        `owner_unreachable` until its lease lapses."""
+        """The hop to the router that holds `key`. A peer that answers 421 `not_owner`
+        (it registered again since the lookup) is never relayed: the client gets 503
+        `recovering`, and its retry's lookup finds the key's new owner, or that it is dead.
+        """
+        if not await self._hop(exchange, kind, key, found):
+            assert self.fleet is not None
+            self.fleet.counts.peer_forward("not_owner")
+            exchange.answer(
+                Answer(
+                    "recovering",
+                    "The router that holds this episode restarted as it was reached; retry.",
+                    key,
+                    retry_after_s=1.0,
+                )
+            )
+
+    async def _hop(self, exchange: Exchange, kind: str, key: str, found: Lookup) -> bool:
+        """One hop to the router that holds `key`, signed; its answer relayed as it is,
+        but for its 421 `not_owner` (False: nothing was relayed). A peer that cannot be
+        reached (nothing of the request sent) is 503 `owner_unreachable` until its lease
+        lapses."""
         fleet = self.fleet
         assert fleet is not None and found.result is not None and found.result.peer
         request = exchange.request
@@ -300,15 +332,18 @@ class PublicHandler(ExchangeOwner):
                 extra_headers={PEER_HEADER: header},
                 public_base=None,
                 body=exchange.body,
+                observer=NotOwnerWatch(),
             )
         except UpstreamFailure as raised:
             failure = as_value(raised)
+            if failure.kind == "directory":  # NotOwnerWatch held a 421 not_owner back
+                return False
             if exchange.failed_by_client(failure):
-                return
+                return True
             if not failure.request_sent:
                 counts.peer_forward("owner_unreachable")
                 exchange.answer(owner_unreachable(key))
-                return
+                return True
             counts.peer_forward("failed")
             if failure.kind == "timeout":
                 exchange.answer(
@@ -318,8 +353,9 @@ class PublicHandler(ExchangeOwner):
                 exchange.answer(
                     Answer("upstream_error", f"The owner failed: {failure.detail}", key)
                 )
-            return
+            return True
         counts.peer_forward("forwarded")
+        return True
 
     def _peer_upstream(self, address: str) -> Upstream:
         """The peer listener at `address` as the relay pools it (one pool per peer)."""
@@ -562,6 +598,28 @@ class PublicHandler(ExchangeOwner):
             metrics=self.metrics,
             gate=self.claim_gate,
         )
+
+
+class NotOwnerWatch:
+    """The reply observer of a hop (router.relay's ReplyObserver): a peer's own 421
+    `not_owner` is held back from the client, through the relay's hold on a reply the
+    directory did not take (`directory_write` answering False)."""
+
+    __slots__ = ("directory_write",)
+
+    def __init__(self) -> None:
+        self.directory_write: Coroutine[Any, Any, bool] | None = None
+
+    def head(self, status: int, headers: Mapping[str, str], set_cookies: list[str]) -> int:
+        return NOT_OWNER_BODY_BYTES if status == 421 else 0
+
+    def body(self, data: bytes) -> None:
+        if b'"error":"not_owner"' in data:  # the router's own answer, not a worker's 421
+            self.directory_write = _held_back()
+
+
+async def _held_back() -> bool:
+    return False
 
 
 def _continue_if_expected(request: PublicRequest) -> None:

@@ -27,9 +27,13 @@ class HeartbeatLoop:
         directory: Directory,
         on_fenced: Callable[[Standing], Awaitable[None]],
         interval_s: float | None = None,
+        on_renewed: Callable[[float], None] = lambda sent_at: None,
     ) -> None:
         self._directory = directory
         self._on_fenced = on_fenced
+        # Told, after each beat the directory answered OK, the loop time the beat was
+        # sent at: the lease runs one lease_ttl_s from no earlier than that.
+        self._on_renewed = on_renewed
         self._interval_s = (
             interval_s if interval_s is not None else directory.settings.heartbeat_interval_s
         )
@@ -62,9 +66,11 @@ class HeartbeatLoop:
         """One heartbeat and sweep; FENCED or LOST goes to the callback, after which the
         loop ends (the router registers again and starts a new one): False then."""
         try:
+            sent_at = asyncio.get_running_loop().time()
             beat = await self._directory.heartbeat()
             if beat.standing is Standing.OK:
                 self.beats += 1
+                self._on_renewed(sent_at)
                 await self._directory.sweep()
         except DirectoryError as error:
             if not self._failing:

@@ -7,7 +7,13 @@ its own table does not know; `signature` signs and checks the peer hop (pure).
 
 from __future__ import annotations
 
-from router.fleet.answers import answer_for, not_owner, owner_unreachable, peer_refused
+from router.fleet.answers import (
+    answer_for,
+    lease_lapsed,
+    not_owner,
+    owner_unreachable,
+    peer_refused,
+)
 from router.fleet.link import UNANSWERED, FleetCounts, FleetLink, Lookup
 from router.fleet.signature import MAX_CLOCK_SKEW_MS, PEER_HEADER, PeerHop, sign, verify
 
@@ -20,6 +26,7 @@ __all__ = [
     "Lookup",
     "PeerHop",
     "answer_for",
+    "lease_lapsed",
     "not_owner",
     "owner_unreachable",
     "peer_refused",

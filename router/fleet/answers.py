@@ -55,3 +55,15 @@ def not_owner(key: str | None) -> Answer:
 def peer_refused(reason: str, key: str | None) -> Answer:
     """403: a request on the peer listener without a valid hop signature."""
     return Answer("peer_refused", f"The peer listener refused the hop: {reason}.", key)
+
+
+def lease_lapsed(key: str) -> Answer:
+    """503: this router's lease in the directory may have lapsed (its heartbeat has not
+    been answered for a lease): the fleet may have declared it dead and answered 410, so
+    it serves none of its keys until the directory renews it or fences it."""
+    return Answer(
+        "recovering",
+        "This router cannot reach the claims directory to renew its lease; retry shortly.",
+        key,
+        retry_after_s=RECOVERING_RETRY_S,
+    )

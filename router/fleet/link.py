@@ -44,6 +44,10 @@ log = logging.getLogger("episode_router.fleet")
 # A directory unreachable at start, or after a lost registration, is tried this often:
 # local hits go on meanwhile, misses get 503 `recovering`, claims `directory_unavailable`.
 REGISTER_RETRY_S: Final = 1.0
+# How much sooner than its lease, on its own clock, a router stops serving its keys:
+# two clocks counting a 10 s lease drift apart by microseconds; a scheduling delay
+# between the renewal and the reading of the clock is covered too.
+LEASE_MARGIN_S: Final = 0.2
 # Keys per claim or release call when the whole table is written back.
 WRITE_BACK_CHUNK: Final = 256
 
@@ -104,7 +108,12 @@ class FleetLink:
         self.core = core
         self._clock = clock
         self._close_redis = close_redis
-        self.heartbeat = HeartbeatLoop(directory, self._standing_lost)
+        self.heartbeat = HeartbeatLoop(directory, self._standing_lost, on_renewed=self._renewed)
+        # Until when, on this router's own clock, its lease surely runs: the last renewal
+        # was sent no earlier than that, less a margin for the clocks' drift. Past it the
+        # fleet may have declared it dead and answered 410 for its keys, so it serves
+        # none of them (design §10, "Writes and fencing").
+        self._serving_until = float("-inf")
         self.counts = FleetCounts()
         self._tasks: set[asyncio.Task[None]] = set()
         self._registering: asyncio.Task[None] | None = None
@@ -130,6 +139,15 @@ class FleetLink:
     @property
     def registered(self) -> bool:
         return self.directory.epoch is not None
+
+    def serving(self, now: float) -> bool:
+        """Whether this router may serve the keys of its own table at `now` (monotonic):
+        registered, and its lease renewed within the last lease, on its own clock."""
+        return now < self._serving_until
+
+    def _renewed(self, sent_at: float) -> None:
+        lease = self.settings.lease_ttl_s
+        self._serving_until = sent_at + lease - min(LEASE_MARGIN_S, lease * 0.1)
 
     def start(self) -> None:
         """Register (retried in the background while the directory cannot be reached),
@@ -183,6 +201,7 @@ class FleetLink:
         while not self._stopping:
             try:
                 await self.directory.load_scripts()
+                sent_at = asyncio.get_running_loop().time()
                 registration = await self.directory.register()
             except DirectoryError as error:
                 self._count_error("register")
@@ -190,6 +209,7 @@ class FleetLink:
                 await asyncio.sleep(REGISTER_RETRY_S)
                 continue
             self.counts.registrations += 1
+            self._renewed(sent_at)
             log.info(
                 "registered in the directory",
                 extra={"router_id": self.router_id, "epoch": registration.epoch},
@@ -212,6 +232,7 @@ class FleetLink:
 
     async def _standing_lost(self, standing: Standing) -> None:
         """The heartbeat found this incarnation FENCED or LOST (design §10)."""
+        self._serving_until = float("-inf")
         if standing is Standing.FENCED:
             self.counts.fenced += 1
             # Paused or cut off past its lease: the fleet answered its keys 410 already.

@@ -35,7 +35,7 @@ __all__ = [
 # RequestMeaning's values: what a lookup meant for its request.
 LOOKUP_RESULTS: Final = ("local", "peer", "worker_exited", "episode_ended", "unknown", "recovering")
 DIRECTORY_CALLS: Final = ("register", "claim", "release", "lookup", "write_back")
-PEER_FORWARD_OUTCOMES: Final = ("forwarded", "owner_unreachable", "failed")
+PEER_FORWARD_OUTCOMES: Final = ("forwarded", "owner_unreachable", "not_owner", "failed")
 PEER_REFUSALS: Final = ("signature", "not_owner")
 
 
