@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from router.directory.settings import DEFAULT_LOOKUP_TIMEOUT_MS  # noqa: E402
 from tests.e2e.conftest import Launcher  # noqa: E402
 from tests.fleet.rig import Fleet, FleetClient, redis_on_a_fixed_port  # noqa: E402
 
@@ -166,7 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=CALLS, help="calls per episode")
     parser.add_argument("--concurrency", type=int, default=CONCURRENCY)
     parser.add_argument(
-        "--lookup-timeout-ms", type=int, default=None, help="directory.lookup_timeout_ms"
+        "--lookup-timeout-ms",
+        type=int,
+        default=DEFAULT_LOOKUP_TIMEOUT_MS,
+        help="directory.lookup_timeout_ms (default: the router's own, 50)",
     )
     args = parser.parse_args(argv)
     if os.environ.get(GATE_ENV) != "1":
@@ -178,8 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     redis = redis_on_a_fixed_port(root)
     launcher = Launcher(root)
     fleet = Fleet(launcher, redis)
-    if args.lookup_timeout_ms is not None:
-        fleet.directory_settings["lookup_timeout_ms"] = args.lookup_timeout_ms
+    # The router's default, not the fleet tests' roomier one: this run is about the product.
+    fleet.directory_settings["lookup_timeout_ms"] = args.lookup_timeout_ms
     try:
         redis.start()
         fleet.start(ROUTERS)

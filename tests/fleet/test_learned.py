@@ -53,6 +53,7 @@ async def gym_router(
                 url=redis.url,
                 router_id=router_id,
                 lease_ttl_s=LEASE_S,
+                lookup_timeout_ms=500,  # a deadline a loaded machine meets
                 claim_timeout_s=claim_timeout_s,
             ),
             peer=PeerConfig("127.0.0.1", 0, None, PEER_SECRET),

@@ -48,7 +48,10 @@ def fleet_config(tmp_path: Path, redis: RedisServer, router_id: str) -> Config:
     config = router_config(folder)
     return dataclasses.replace(
         config,
-        directory=DirectoryConfig(url=redis.url, router_id=router_id, lease_ttl_s=LEASE_S),
+        # A lookup deadline a loaded machine meets (the default, 50 ms, is tested apart).
+        directory=DirectoryConfig(
+            url=redis.url, router_id=router_id, lease_ttl_s=LEASE_S, lookup_timeout_ms=500
+        ),
         peer=PeerConfig("127.0.0.1", 0, None, PEER_SECRET),
     )
 
@@ -251,7 +254,7 @@ async def test_a_paused_directory_keeps_local_hits_and_answers_misses_503(
         started = time.monotonic()
         miss = await fleet.call("r2", tok)
         miss.assert_answer(503, "recovering", key)
-        assert time.monotonic() - started < 1.0  # the lookup's own deadline (50 ms)
+        assert time.monotonic() - started < 1.5  # the lookup's own deadline (500 ms here)
     finally:
         redis_server.resume()
 

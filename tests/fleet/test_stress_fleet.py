@@ -23,6 +23,6 @@ async def test_a_small_fleet_stress_run_misroutes_nothing(fleet: Fleet) -> None:
     print("\n" + report.render())
     assert report.passed, report.render()
     assert report.misrouted == 0
-    # A lookup past its 50 ms deadline on a busy CI machine is 503 recovering: a few.
+    # A lookup past its deadline on a busy CI machine is 503 recovering: a few at most.
     assert report.codes["200"] >= EPISODES * CALLS * 0.98, report.render()
     assert report.hops > EPISODES * CALLS // 3  # two thirds of them, about: hops happened
