@@ -156,6 +156,8 @@ async def test_a_router_paused_past_its_lease_is_410_on_the_others_and_comes_bac
         return isinstance(now, int) and now > epoch  # None while it registers
 
     await asyncio.to_thread(wait_until, "r1 registered again", registered_again, 10.0)
+    # Its workers' control leases went silent while it was paused: they reconnect.
+    await asyncio.to_thread(fleet.wait_ready, r1)
     r1.in_service = True
     newcomer = await client.create(r1)  # it serves new episodes under its new epoch
     for _ in range(4):
