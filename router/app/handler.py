@@ -207,6 +207,11 @@ class PublicHandler(ExchangeOwner):
                     # waited in a paused router's backlog meets the lapse too.
                     self._answer(exchange, lease_lapsed(key))
                     return None
+        return self._decide(exchange, kind, key)
+
+    def _decide(self, exchange: Exchange, kind: str | None, key: str | None) -> Forward | None:
+        """The local table's decision for the session read; None when it is an answer of
+        the router's own (the answer is out and counted)."""
         if kind is not None and key is not None and self.sessions.learns:
             decision = self._route_on(exchange, kind, key)
         else:
@@ -276,16 +281,9 @@ class PublicHandler(ExchangeOwner):
         elif not fleet.serving(self._clock()):  # the key was claimed while it was looked up
             self._answer(exchange, lease_lapsed(key))
             return
-        if self.sessions.learns:
-            decision = self._route_on(exchange, kind, key)
-        else:
-            decision = self.core.route(kind, key, self._clock())
-        if self.metrics is not None:
-            exchange.decided = _perf_counter()
-        if isinstance(decision, Answer):
-            self._answer(exchange, decision)
-            return
-        await self._forward_and_finish(exchange, decision)
+        decision = self._decide(exchange, kind, key)
+        if decision is not None:
+            await self._forward_and_finish(exchange, decision)
 
     async def _forward_to_peer(
         self, exchange: Exchange, kind: str, key: str, found: Lookup
