@@ -1,7 +1,7 @@
 """The benchmark harness: the router against nginx, HAProxy and Envoy, side by side.
 
 `python -m bench.run [--quick] [--peers nginx,haproxy,envoy] [--install] [--profile]
-[--work-us N]`
+[--work-us N] [--episodes N]`
 
 It starts W trivial workers (bench.worker) that claim a fixed set of episodes
 over the router's control socket, W busy workers (each spinning --work-us per
@@ -615,6 +615,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--install", action="store_true", help="install missing peers and wrk")
     parser.add_argument("--workers", type=int, default=None, help="worker processes (default 2)")
+    parser.add_argument(
+        "--episodes",
+        type=int,
+        default=None,
+        help="live episodes the trivial workers claim and the load rotates over (default 64, "
+        "16 with --quick; the busy workers claim twice as many)",
+    )
     parser.add_argument("--connections", type=int, default=None, help="load connections (32)")
     parser.add_argument("--duration", type=float, default=None, help="seconds of load (10)")
     parser.add_argument("--serial", type=int, default=None, help="serial requests (5000)")
@@ -665,6 +672,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         changes["work_us"] = args.work_us
     for option, name in (
         ("workers", "workers"),
+        ("episodes", "episodes"),
         ("connections", "connections"),
         ("duration", "load_s"),
         ("serial", "serial_requests"),

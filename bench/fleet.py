@@ -1,0 +1,787 @@
+"""The fleet benchmark: routers sharing one claims directory on Redis (design §10), measured.
+
+`python -m bench.fleet [--quick] [--episodes N] [--rounds R] [--lease S] [--no-wrk]`
+
+It starts a `redis-server` of its own on a free loopback port (nothing persisted), three
+routers (`python -m router.cli run`) on 127.0.0.1, each with W bench.worker processes
+that claim their episodes over that router's control socket, and stops every process by
+its pid at the end:
+
+- L: no `directory:`, its workers claiming the hit set H (the single router as before);
+- A: `directory:` and `peer:`, its workers claiming the same set H (so A and L route the
+  same tokens), plus an ended set E claimed and released over its control socket by
+  this process (their owner records ended in Redis);
+- B: `directory:` and `peer:`, its workers claiming a set H_B of its own.
+
+An absent set X is never claimed. The default workload is 4,096 live episodes in each
+set, requests rotating over all of them. In interleaved rounds (every figure once a
+round, medians over the rounds) it measures:
+
+1. local hits: A's and L's CPU per request (utime + stime from /proc) under the same
+   closed-loop load on H, and the Redis commands sent meanwhile;
+2. misses: A's CPU per request on X (401 after a lookup) and on E (410) minus L's per
+   local 401 on the same tokens, warm (the lookup cache answers) and cold (fresh absent
+   tokens, one serial request each: every one a lookup), and Redis lookups per request;
+3. peer-forwarded against direct: serial p50 through B (forwarded to A) and through A,
+   each minus the worker's own p50, and the CPU per serial request of A + B against A's;
+4. two routers on one host against one: the closed loop split over A (on H) and B (on
+   H_B) against all of it on A: requests per second and CPU per request;
+5. from `kill -9` of a router, and from its SIGTERM, to a 410 for its key on A (polled
+   every 50 ms), one fresh victim router per measurement.
+
+Redis commands are counted with MONITOR (a connection of this process), by command and,
+for EVALSHA, by the directory's script; the heartbeat, the sweep, the membership read
+and the invalidation channel's PING are background, counted apart. Traffic stays on
+127.0.0.1. Other processes on the machine move every figure: read the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import load
+from bench.directory import redis_server
+from bench.episodes import Episode, mint_episodes
+from bench.launch import Child, free_port, raise_fd_limit, start_router, start_worker
+from router.directory.scripts import Script, script_source
+from router.worker.client import ControlClient
+
+__all__ = [
+    "BACKGROUND",
+    "Row",
+    "Settings",
+    "classify_monitor_line",
+    "format_rows",
+    "main",
+    "median",
+    "run_fleet",
+    "script_names",
+]
+
+POLL_S = 0.05  # item 5: a key of the killed router asked for every 50 ms
+KILL_TIMEOUT_FACTOR = 3.0  # a 410 later than three leases after the kill is a failure
+# Sent on timers whatever the traffic (they come as often during L's runs, when the
+# directory's routers get no request): the heartbeat, the sweep of lapsed records, the
+# membership read (HGETALL) and the invalidation channel's PING. Counted apart.
+BACKGROUND = frozenset({"PING", "heartbeat", "sweep", "HGETALL"})
+PEER_SECRET = "bench-fleet-peer-secret-0123456789"  # loopback only; at least 16 bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What one run does; `quick()` is the CI size."""
+
+    episodes: int = 4096  # in each of H, H_B, X and E
+    workers: int = 2  # per router
+    connections: int = 32
+    load_s: float = 5.0
+    rounds: int = 3
+    serial_requests: int = 3000
+    serial_warmup: int = 300
+    cold_requests: int = 2000  # fresh absent tokens per cold-miss sample
+    lease_s: float = 10.0
+    lookup_timeout_ms: int = 50
+    kill_rounds: int = 1
+    use_wrk: bool = True
+
+    @classmethod
+    def quick(cls, **changes: Any) -> Settings:
+        base = cls(
+            episodes=128,
+            connections=8,
+            load_s=1.0,
+            rounds=1,
+            serial_requests=200,
+            serial_warmup=20,
+            cold_requests=100,
+            lease_s=2.0,
+            lookup_timeout_ms=500,
+        )
+        return dataclasses.replace(base, **changes)
+
+
+# --- pure parts ------------------------------------------------------------------------------
+
+
+def median(values: Sequence[float]) -> float | None:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else None
+
+
+def script_names() -> dict[str, str]:
+    """The directory's scripts by the SHA-1 EVALSHA names them with."""
+    names = {}
+    for script in Script:
+        text = script_source(script).encode()
+        names[hashlib.sha1(text, usedforsecurity=False).hexdigest()] = script.value
+    return names
+
+
+# `+1733089123.456789 [0 127.0.0.1:43210] "EVALSHA" "3f2a..." "1" ...`; the client is
+# `lua` for a command a script ran (not sent by a router: not counted).
+_MONITOR_LINE = re.compile(r'^\+?[\d.]+ \[\d+ ([^\]]+)\] "([^"]*)"(?: "([^"]*)")?')
+
+
+def classify_monitor_line(line: str, scripts: dict[str, str]) -> str | None:
+    """What one MONITOR line counts as: the command's name, or for EVALSHA the script's
+    name (`lookup`, `heartbeat`, ...); None for a script's own commands or a line that
+    is not a command."""
+    match = _MONITOR_LINE.match(line)
+    if match is None or match.group(1) == "lua":
+        return None
+    command = match.group(2).upper()
+    if command == "EVALSHA" and match.group(3) is not None:
+        return scripts.get(match.group(3).lower(), "EVALSHA")
+    return command
+
+
+def sent(counts: Counter[str]) -> int:
+    """Commands in `counts` other than the background ones."""
+    return sum(n for name, n in counts.items() if name not in BACKGROUND)
+
+
+@dataclass(slots=True)
+class Row:
+    """One printed figure against its target."""
+
+    item: str
+    name: str
+    value: float | None
+    unit: str
+    target: str = ""
+    met: bool | None = None  # None: no target, or not judged (a quick run)
+    note: str = ""
+
+
+def format_rows(rows: Sequence[Row]) -> str:
+    lines = [f"{'item':4} {'figure':58} {'value':>12}  target / verdict"]
+    for row in rows:
+        value = "failed" if row.value is None else f"{row.value:,.2f} {row.unit}"
+        verdict = {True: " [met]", False: " [NOT met]", None: ""}[row.met]
+        target = f"{row.target}{verdict}" if row.target else ""
+        note = f"  ({row.note})" if row.note else ""
+        lines.append(f"{row.item:4} {row.name:58} {value:>12}  {target}{note}")
+    return "\n".join(lines)
+
+
+def ratio(top: float | None, bottom: float | None) -> float | None:
+    if top is None or bottom is None or bottom <= 0:
+        return None
+    return top / bottom
+
+
+# --- Redis's side ------------------------------------------------------------------------------
+
+
+class CommandLog:
+    """Every command Redis receives from a router, counted by name (MONITOR, in a thread)."""
+
+    def __init__(self, port: int) -> None:
+        self._scripts = script_names()
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self._sock.sendall(b"MONITOR\r\n")
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        buffered = b""
+        self._sock.settimeout(0.2)
+        while not self._stopped.is_set():
+            try:
+                data = self._sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            buffered += data
+            *lines, buffered = buffered.split(b"\r\n")
+            names = [
+                classify_monitor_line(x.decode(errors="replace"), self._scripts) for x in lines
+            ]
+            with self._lock:
+                self._counts.update(name for name in names if name is not None)
+
+    def snapshot(self) -> Counter[str]:
+        time.sleep(0.2)  # commands already sent reach the log first
+        with self._lock:
+            return Counter(self._counts)
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=2)
+        self._sock.close()
+
+
+# --- the processes -----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RouterSet:
+    """One router process and its workers."""
+
+    name: str
+    router: Child
+    workers: list[Child] = field(default_factory=list)
+
+    def stop(self, how: signal.Signals = signal.SIGTERM) -> None:
+        if how is signal.SIGKILL and self.router.process.poll() is None:
+            self.router.process.kill()
+            self.router.process.wait(10)
+        self.router.stop()
+        for worker in self.workers:
+            worker.stop()
+
+
+def router_config(
+    folder: Path, port: int, directory_url: str | None, router_id: str, settings: Settings
+) -> str:
+    config: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "admin": {"host": "127.0.0.1", "port": free_port()},
+        "control": {"socket": f"unix:{folder / 'control.sock'}"},
+        "log": {"level": "warning"},
+        # Unknown keys are 503 while a started router waits for its workers' syncs
+        # (design §3); the benchmark's workers claim before it measures.
+        "claims": {"recovery_window_s": 1},
+    }
+    if directory_url is not None:
+        secret = folder / "peer.secret"
+        secret.write_text(PEER_SECRET)
+        secret.chmod(0o600)
+        config["directory"] = {
+            "url": directory_url,
+            "router_id": router_id,
+            "lease_ttl_s": settings.lease_s,
+            "lookup_timeout_ms": settings.lookup_timeout_ms,
+        }
+        config["peer"] = {"listen": f"127.0.0.1:{free_port()}", "secret_file": str(secret)}
+    return json.dumps(config, indent=1) + "\n"
+
+
+def start_router_set(
+    folder: Path,
+    name: str,
+    directory_url: str | None,
+    episodes: Sequence[Episode],
+    settings: Settings,
+    workers: int,
+) -> RouterSet:
+    """A router named `name` and `workers` bench.workers claiming `episodes` over its
+    control socket (returned once every claim is acknowledged: through the directory,
+    for a router with one)."""
+    folder.mkdir()
+    port = free_port()
+    config = folder / "router.yaml"
+    config.write_text(router_config(folder, port, directory_url, name, settings))
+    started = RouterSet(name, start_router(config, port, folder / "router.log"))
+    try:
+        for w in range(workers):
+            keys = [e.key for i, e in enumerate(episodes) if i % workers == w]
+            keys_path = folder / f"w{w}.keys.json"
+            keys_path.write_text(json.dumps(keys))
+            control = f"unix:{folder / 'control.sock'}"
+            worker = start_worker(f"{name}-w{w}", control, keys_path, folder / f"w{w}.log")
+            started.workers.append(worker)
+    except BaseException:
+        started.stop()
+        raise
+    return started
+
+
+async def claim_and_end(control: str, keys: Sequence[str], url: str) -> None:
+    """Claims `keys` over a router's control socket and releases them: their owner records
+    end in the directory (written after the release, in the background)."""
+    client = ControlClient(control, worker_id="bench-ender", url=url)
+    await client.start()
+    try:
+        for key in keys:
+            await client.claim(key)
+        for key in keys:
+            await client.release(key)
+    finally:
+        await client.stop()
+
+
+def wait_for_ended(redis_port: int, keys: Sequence[str], timeout_s: float) -> None:
+    """Until every owner record of `keys` is ended in Redis (state `e`)."""
+    owner = "{episode-router}:owner:episode:"
+    deadline = time.monotonic() + timeout_s
+    with socket.create_connection(("127.0.0.1", redis_port), timeout=5) as sock:
+        reader = sock.makefile("rb")
+        for key in keys:
+            while True:
+                record = owner + key
+                sock.sendall(f"HGET {record} s\r\n".encode())
+                reply = reader.readline()
+                if reply.startswith(b"$1"):
+                    value = reader.readline().strip()
+                    if value == b"e":
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the record of {key} did not end in {timeout_s:g} s")
+                time.sleep(0.05)
+
+
+# --- load --------------------------------------------------------------------------------------
+
+
+def serial_statuses(
+    port: int, requests: Sequence[bytes], count: int
+) -> tuple[list[int], Counter[int]]:
+    """`count` requests one after another on one keep-alive connection: each latency (ns)
+    and the statuses (a connection the router closes is opened again)."""
+    latencies: list[int] = []
+    statuses: Counter[int] = Counter()
+    clock = time.perf_counter_ns
+    sock: socket.socket | None = None
+    parser = load.ReplyParser()
+    try:
+        for index in range(count):
+            if sock is None:
+                sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                parser = load.ReplyParser()
+            started = clock()
+            sock.sendall(requests[index % len(requests)])
+            while True:
+                data = sock.recv(65536)
+                if not data:
+                    raise OSError("the router closed the connection under a request")
+                if parser.feed(data):
+                    break
+            latencies.append(clock() - started)
+            statuses[parser.statuses[-1]] += 1
+    finally:
+        if sock is not None:
+            sock.close()
+    return latencies, statuses
+
+
+class Loader:
+    """Closed-loop load: wrk when installed (and asked for), else the bundled generator."""
+
+    def __init__(self, folder: Path, settings: Settings) -> None:
+        self.folder = folder
+        self.settings = settings
+        self.wrk = shutil.which("wrk") if settings.use_wrk else None
+        self._scripts: dict[str, str] = {}
+
+    @property
+    def tool(self) -> str:
+        return "wrk" if self.wrk else "bundled"
+
+    def closed(
+        self, port: int, name: str, tokens: Sequence[str], connections: int
+    ) -> load.LoadResult:
+        s = self.settings
+        if self.wrk is not None:
+            script = self._scripts.get(name)
+            if script is None:
+                path = self.folder / f"{name}.lua"
+                path.write_text(load.wrk_script(tokens))
+                script = self._scripts[name] = str(path)
+            return load.run_wrk(self.wrk, port, script, connections, 1, s.load_s)
+        requests = [load.build_request(token, port) for token in tokens]
+        return load.run_async(load.closed_loop(port, requests, connections, s.load_s))
+
+
+# --- the benchmark -----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Samples:
+    """Every round's figure, by name."""
+
+    values: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, name: str, value: float | None) -> None:
+        if value is not None:
+            self.values.setdefault(name, []).append(value)
+
+    def median(self, name: str) -> float | None:
+        return median(self.values.get(name, []))
+
+
+class FleetBench:
+    """One run's processes and measurements."""
+
+    def __init__(self, settings: Settings, folder: Path, redis_port: int, redis_pid: int) -> None:
+        self.settings = settings
+        self.folder = folder
+        self.redis_port = redis_port
+        self.redis_pid = redis_pid
+        self.url = f"redis://127.0.0.1:{redis_port}/0"
+        n = settings.episodes
+        self.held = mint_episodes(n, settings.workers, "a", "held")
+        self.held_b = mint_episodes(n, settings.workers, "b", "held-b")
+        self.absent = mint_episodes(n, 1, "x", "absent")
+        self.ended = mint_episodes(n, 1, "e", "ended")
+        self.sets: dict[str, RouterSet] = {}
+        self.loader = Loader(folder, settings)
+        self.log = CommandLog(redis_port)
+        self.samples = Samples()
+        self.statuses: dict[str, Counter[int]] = {}
+        self.commands: Counter[str] = Counter()  # non-background commands during load runs
+        self._cold_count = 0
+
+    def start(self, say: Callable[[str], None]) -> None:
+        s = self.settings
+        say(f"starting routers L (no directory), A and B, {s.workers} workers each ...")
+        self.sets["L"] = start_router_set(self.folder / "L", "L", None, self.held, s, s.workers)
+        self.sets["A"] = start_router_set(self.folder / "A", "A", self.url, self.held, s, s.workers)
+        self.sets["B"] = start_router_set(
+            self.folder / "B", "B", self.url, self.held_b, s, s.workers
+        )
+        say(f"ending {len(self.ended)} episodes through A ...")
+        control = f"unix:{self.folder / 'A' / 'control.sock'}"
+        ender_url = f"http://127.0.0.1:{free_port()}"  # never forwarded to: its keys end
+        load.run_async(claim_and_end(control, [e.key for e in self.ended], ender_url))
+        wait_for_ended(self.redis_port, [e.key for e in self.ended], 60.0)
+        # A fleet record younger than one lease answers absent keys 503 (design §10).
+        settle = s.lease_s + 0.5
+        say(f"waiting {settle:g} s for the fleet to settle (one lease) ...")
+        time.sleep(settle)
+
+    def stop(self) -> None:
+        self.log.close()
+        for router_set in self.sets.values():
+            router_set.stop()
+
+    def port(self, name: str) -> int:
+        return self.sets[name].router.port
+
+    def cpu(self, *names: str) -> float:
+        return sum(self.sets[name].router.cpu_seconds() for name in names)
+
+    # -- one closed-loop sample --
+
+    def closed_sample(
+        self, router: str, tokens_name: str, tokens: Sequence[str]
+    ) -> tuple[float, float, int]:
+        """CPU us per request, requests/s and non-background Redis commands of one
+        closed-loop run on `router` cycling over `tokens`."""
+        before_cpu, before_log = self.cpu(router), self.log.snapshot()
+        result = self.loader.closed(
+            self.port(router), tokens_name, tokens, self.settings.connections
+        )
+        used = self.cpu(router) - before_cpu
+        counts = self.log.snapshot() - before_log
+        commands = sent(counts)
+        for name, n in counts.items():
+            if name not in BACKGROUND:
+                self.commands[f"{router} {tokens_name}: {name}"] += n
+        if not result.requests:
+            raise RuntimeError(f"no request answered by {router} on {tokens_name}")
+        return used / result.requests * 1e6, result.rps, commands
+
+    def check_statuses(self, router: str, name: str, tokens: Sequence[str]) -> Counter[int]:
+        """One pass over every token, serially: the statuses the router answers."""
+        requests = [load.build_request(t, self.port(router)) for t in tokens]
+        _, statuses = serial_statuses(self.port(router), requests, len(requests))
+        self.statuses[f"{router} {name}"] = statuses
+        return statuses
+
+    # -- the items --
+
+    def hits(self) -> None:
+        tokens = [e.token for e in self.held]
+        cpu_l, _, _ = self.closed_sample("L", "held", tokens)
+        cpu_a, _, commands = self.closed_sample("A", "held", tokens)
+        self.samples.add("hit cpu L", cpu_l)
+        self.samples.add("hit cpu A", cpu_a)
+        self.samples.add("hit ratio", ratio(cpu_a, cpu_l))
+        self.samples.add("hit commands", commands)
+
+    def misses(self) -> None:
+        for name, episodes in (("absent", self.absent), ("ended", self.ended)):
+            tokens = [e.token for e in episodes]
+            cpu_l, _, _ = self.closed_sample("L", name, tokens)
+            cpu_a, rps_a, commands = self.closed_sample("A", name, tokens)
+            self.samples.add(f"{name} warm added", cpu_a - cpu_l)
+            self.samples.add(
+                f"{name} warm commands", commands / max(1.0, rps_a * self.settings.load_s)
+            )
+        self.cold_misses()
+
+    def cold_misses(self) -> None:
+        """Fresh absent tokens, one serial request each: every one a lookup on A; the same
+        number of other fresh tokens on L (each router parses each token once)."""
+        count = self.settings.cold_requests
+        self._cold_count += 1
+        figures = {}
+        for router in ("L", "A"):
+            fresh = mint_episodes(count, 1, "c", f"cold-{router}-{self._cold_count}")
+            requests = [load.build_request(e.token, self.port(router)) for e in fresh]
+            before_cpu, before_log = self.cpu(router), self.log.snapshot()
+            _, statuses = serial_statuses(self.port(router), requests, count)
+            used = self.cpu(router) - before_cpu
+            counts = self.log.snapshot() - before_log
+            self.statuses[f"{router} cold absent"] = statuses
+            figures[router] = (used / count * 1e6, counts)
+        self.samples.add("cold added", figures["A"][0] - figures["L"][0])
+        self.samples.add("cold commands", sent(figures["A"][1]) / count)
+        self.samples.add("cold lookups", figures["A"][1]["lookup"] / count)
+
+    def forwarded(self) -> None:
+        s = self.settings
+        count = s.serial_requests + s.serial_warmup
+        tokens = [e.token for e in self.held]
+        worker_port = self.sets["A"].workers[0].port
+        own = [load.build_request(t, worker_port) for t in tokens]
+        p50s = {}
+        ns, _ = serial_statuses(worker_port, own, count)
+        p50s["worker"] = load.percentile(sorted(ns[s.serial_warmup :]), 0.5) / 1000
+        cpu = {}
+        for via in ("A", "B"):
+            requests = [load.build_request(t, self.port(via)) for t in tokens]
+            before, before_log = self.cpu("A", "B"), self.log.snapshot()
+            ns, statuses = serial_statuses(self.port(via), requests, count)
+            cpu[via] = (self.cpu("A", "B") - before) / count * 1e6
+            lookups = (self.log.snapshot() - before_log)["lookup"]
+            self.samples.add(f"{via} serial lookups", lookups / count)
+            self.statuses[f"{via} serial held"] = statuses
+            p50s[via] = load.percentile(sorted(ns[s.serial_warmup :]), 0.5) / 1000
+        direct, hop = p50s["A"] - p50s["worker"], p50s["B"] - p50s["worker"]
+        self.samples.add("direct added p50", direct)
+        self.samples.add("forwarded added p50", hop)
+        self.samples.add("forwarded p50 ratio", ratio(hop, direct))
+        self.samples.add("direct serial cpu", cpu["A"])
+        self.samples.add("forwarded serial cpu", cpu["B"])
+        self.samples.add("forwarded cpu ratio", ratio(cpu["B"], cpu["A"]))
+
+    def two_routers(self) -> None:
+        s = self.settings
+        held = [e.token for e in self.held]
+        held_b = [e.token for e in self.held_b]
+        cpu_one, rps_one, _ = self.closed_sample("A", "held", held)
+        half = max(1, s.connections // 2)
+        before = self.cpu("A", "B")
+        with ThreadPoolExecutor(2) as pool:
+            runs = [
+                pool.submit(self.loader.closed, self.port("A"), "held", held, half),
+                pool.submit(self.loader.closed, self.port("B"), "held-b", held_b, half),
+            ]
+            results = [run.result() for run in runs]
+        used = self.cpu("A", "B") - before
+        requests = sum(r.requests for r in results)
+        self.samples.add("one router rps", rps_one)
+        self.samples.add("one router cpu", cpu_one)
+        self.samples.add("two routers rps", sum(r.rps for r in results))
+        self.samples.add("two routers cpu", used / max(1, requests) * 1e6)
+
+    def death(self, how: signal.Signals, number: int) -> float:
+        """Seconds from `how` to a router, to a 410 on A for a key it held."""
+        s = self.settings
+        name = f"V{number}"
+        victim_keys = mint_episodes(4, 1, "v", f"victim-{number}")
+        victim = start_router_set(self.folder / name, name, self.url, victim_keys, s, 1)
+        request = load.build_request(victim_keys[0].token, self.port("A"))
+        try:
+            _, statuses = serial_statuses(self.port("A"), [request], 1)
+            if statuses[200] != 1:
+                raise RuntimeError(f"A did not forward the victim's key: {dict(statuses)}")
+            killed_at = time.monotonic()
+            if how is signal.SIGKILL:
+                victim.router.process.kill()
+            else:
+                victim.router.process.send_signal(how)
+            deadline = killed_at + KILL_TIMEOUT_FACTOR * s.lease_s + 5
+            seen: Counter[int] = Counter()
+            while time.monotonic() < deadline:
+                _, statuses = serial_statuses(self.port("A"), [request], 1)
+                seen.update(statuses)
+                if statuses[410]:
+                    self.statuses[f"A after {how.name} of {name}"] = seen
+                    return time.monotonic() - killed_at
+                time.sleep(POLL_S)
+            raise RuntimeError(f"no 410 within {deadline - killed_at:.1f} s: {dict(seen)}")
+        finally:
+            victim.stop(signal.SIGKILL if how is signal.SIGKILL else signal.SIGTERM)
+
+    def round(self, say: Callable[[str], None], number: int) -> None:
+        say(f"round {number} of {self.settings.rounds}: hits, misses, forwarded, two routers ...")
+        self.hits()
+        self.misses()
+        self.forwarded()
+        self.two_routers()
+
+    def deaths(self, say: Callable[[str], None]) -> None:
+        total = self.settings.kill_rounds
+        for number in range(total):
+            say(f"kill -9 and SIGTERM of a victim router ({number + 1} of {total}) ...")
+            self.samples.add("kill -9 to 410", self.death(signal.SIGKILL, 2 * number))
+            self.samples.add("SIGTERM to 410", self.death(signal.SIGTERM, 2 * number + 1))
+
+
+def rows_of(bench: FleetBench, full: bool) -> list[Row]:
+    """The printed figures; targets judged only at full size."""
+    m = bench.samples.median
+    s = bench.settings
+
+    def judged(value: float | None, ok: Callable[[float], bool]) -> bool | None:
+        return ok(value) if full and value is not None else None
+
+    hit_ratio, commands = m("hit ratio"), m("hit commands")
+    rows = [
+        Row("1", "L (no directory): CPU per local hit", m("hit cpu L"), "us"),
+        Row("1", "A (directory): CPU per local hit", m("hit cpu A"), "us"),
+        Row("1", "A / L, CPU per local hit", hit_ratio, "x", "<= 1.03",
+            judged(hit_ratio, lambda v: v <= 1.03)),
+        Row("1", "Redis commands sent during A's hits", commands, "", "0",
+            commands == 0 if commands is not None else None, "heartbeat and PING apart"),
+    ]  # fmt: skip
+    for name, answer in (("absent", "401"), ("ended", "410")):
+        added = m(f"{name} warm added")
+        rows.append(
+            Row("2", f"{name} key ({answer}), cached: CPU added over L's local 401", added, "us",
+                "<= 10", judged(added, lambda v: v <= 10))
+        )  # fmt: skip
+        rows.append(Row("2", f"{name} key ({answer}), cached: Redis commands per request",
+                        m(f"{name} warm commands"), ""))  # fmt: skip
+    cold = m("cold added")
+    rows += [
+        Row("2", "absent key (401), first ask (serial): CPU added over L's", cold, "us",
+            "<= 10", judged(cold, lambda v: v <= 10)),
+        Row("2", "absent key, first ask: lookups (EVALSHA) per request", m("cold lookups"), "",
+            "<= 1", judged(m("cold lookups"), lambda v: v <= 1.0)),
+        Row("2", "absent key, first ask: Redis commands per request", m("cold commands"), ""),
+        Row("3", "via A (direct hop): added p50", m("direct added p50"), "us"),
+        Row("3", "via B (forwarded to A): added p50", m("forwarded added p50"), "us"),
+        Row("3", "forwarded / direct, added p50", m("forwarded p50 ratio"), "x", "<= 2.2",
+            judged(m("forwarded p50 ratio"), lambda v: v <= 2.2)),
+        Row("3", "direct: CPU per serial request (A)", m("direct serial cpu"), "us"),
+        Row("3", "forwarded: CPU per serial request (A + B)", m("forwarded serial cpu"), "us"),
+        Row("3", "forwarded: Redis lookups per request (on B)", m("B serial lookups"), ""),
+        Row("3", "direct: Redis lookups per request (on A)", m("A serial lookups"), ""),
+        Row("3", "forwarded / direct, CPU per request", m("forwarded cpu ratio"), "x", "<= 2.2",
+            judged(m("forwarded cpu ratio"), lambda v: v <= 2.2)),
+        Row("4", "one router (A): requests/s", m("one router rps"), "rps"),
+        Row("4", "two routers (A + B, split load): requests/s", m("two routers rps"), "rps"),
+        Row("4", "two / one, requests/s", ratio(m("two routers rps"), m("one router rps")), "x"),
+        Row("4", "one router: CPU per request", m("one router cpu"), "us"),
+        Row("4", "two routers: CPU per request (A + B)", m("two routers cpu"), "us"),
+        Row("4", "two / one, CPU per request",
+            ratio(m("two routers cpu"), m("one router cpu")), "x"),
+        Row("5", "kill -9 to 410 on the other router", m("kill -9 to 410"), "s",
+            f"<= lease ({s.lease_s:g} s) + 1", judged(m("kill -9 to 410"),
+                                                      lambda v: v <= s.lease_s + 1)),
+        Row("5", "SIGTERM to 410 on the other router", m("SIGTERM to 410"), "s"),
+    ]  # fmt: skip
+    return rows
+
+
+def run_fleet(settings: Settings, say: Callable[[str], None] = print) -> list[Row]:
+    """Runs everything; returns the rows (also printed)."""
+    raise_fd_limit(65536)
+    with (
+        tempfile.TemporaryDirectory(prefix="er-fleet-") as scratch,
+        redis_server() as (redis_port, redis_pid),
+    ):
+        wait_for_redis(redis_port)
+        bench = FleetBench(settings, Path(scratch), redis_port, redis_pid)
+        try:
+            bench.start(say)
+            for name, episodes in (
+                ("held", bench.held),
+                ("absent", bench.absent),
+                ("ended", bench.ended),
+            ):
+                for router in ("L", "A") if name != "held" else ("L", "A", "B"):
+                    bench.check_statuses(router, name, [e.token for e in episodes])
+            for number in range(1, settings.rounds + 1):
+                bench.round(say, number)
+            bench.deaths(say)
+        finally:
+            bench.stop()
+    full = settings.episodes >= 4096 and settings.rounds >= 3
+    rows = rows_of(bench, full)
+    say(format_rows(rows))
+    say("statuses: " + "; ".join(f"{k}: {dict(v)}" for k, v in bench.statuses.items()))
+    say("Redis commands during load runs: " + str(dict(bench.commands)))
+    say(f"load: {bench.loader.tool}, {settings.connections} connections, {settings.load_s:g} s; "
+        f"{settings.episodes} episodes per set; {settings.rounds} rounds (medians); "
+        f"lease {settings.lease_s:g} s" + ("" if full else "; targets not judged"))  # fmt: skip
+    return rows
+
+
+def wait_for_redis(port: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1) as sock:
+            sock.sendall(b"PING\r\n")
+            if sock.recv(64).startswith(b"+PONG"):
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"redis-server did not answer on port {port}")
+        time.sleep(0.05)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.fleet", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="a small run (CI): no target judged")
+    parser.add_argument("--episodes", type=int, default=None, help="episodes per set (4096)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (3)")
+    parser.add_argument("--duration", type=float, default=None, help="seconds per load run (5)")
+    parser.add_argument("--lease", type=float, default=None, help="lease_ttl_s (10; 2 quick)")
+    parser.add_argument("--kills", type=int, default=None, help="kill -9 / SIGTERM pairs (1)")
+    parser.add_argument("--no-wrk", action="store_true", help="the bundled generator")
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    changes: dict[str, Any] = {"use_wrk": not args.no_wrk}
+    for option, name in (
+        ("episodes", "episodes"),
+        ("rounds", "rounds"),
+        ("duration", "load_s"),
+        ("lease", "lease_s"),
+        ("kills", "kill_rounds"),
+    ):
+        value = getattr(args, option)
+        if value is not None:
+            if value <= 0:
+                raise ValueError(f"--{option} must be positive")
+            changes[name] = value
+    if "lease_s" in changes and changes["lease_s"] < 1.5:
+        raise ValueError("--lease must be at least 1.5 (the directory's floor)")
+    return Settings.quick(**changes) if args.quick else dataclasses.replace(Settings(), **changes)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    rows = run_fleet(settings)
+    return 0 if all(row.value is not None for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
