@@ -25,3 +25,15 @@ async def test_the_directory_benchmark_measures_claims_and_lookups() -> None:
     assert set(figures.lookup_us) == {"1", "16", "256"}
     for latency in figures.lookup_us.values():
         assert 0 < latency["p50"] <= latency["p99"]
+
+
+async def test_the_control_socket_benchmark_measures_pairs_through_the_directory() -> None:
+    from bench.control_directory import measure as measure_through_the_socket
+
+    redis_server_binary()
+    figures = await measure_through_the_socket(pairs=500, rounds=1)
+    assert (figures.pairs, figures.rounds) == (500, 1)
+    assert figures.directory_pairs_per_s > 0 and figures.local_pairs_per_s > 0
+    # redis-server's CPU is read in clock ticks: 500 pairs may take less than one.
+    assert figures.cpu_us_per_pair > 0 and figures.redis_cpu_us_per_pair >= 0
+    assert len(figures.directory_rounds) == len(figures.local_rounds) == 1
