@@ -263,7 +263,8 @@ class PublicHandler(ExchangeOwner):
         fleet = self.fleet
         assert fleet is not None
         found = await fleet.lookup(kind, key)
-        if self.core.claims.lookup(kind, key) is None:  # not claimed here meanwhile
+        claim = self.core.claims.lookup(kind, key)
+        if claim is None:  # not claimed here meanwhile
             if found.meaning is RequestMeaning.PEER:
                 self._decision_observed(exchange)
                 try:
@@ -278,7 +279,7 @@ class PublicHandler(ExchangeOwner):
                     exchange.decided = _perf_counter()
                 self._answer(exchange, answer)
                 return
-        elif not fleet.serving(self._clock()):  # the key was claimed while it was looked up
+        elif claim.state is HELD and not fleet.serving(self._clock()):  # claimed meanwhile
             self._answer(exchange, lease_lapsed(key))
             return
         decision = self._decide(exchange, kind, key)
