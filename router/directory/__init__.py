@@ -3,14 +3,15 @@
 The data and its keys (`keys`, `records`, `settings`), what a lookup means for a
 request (`meaning`), the circuit breaker, the batcher's pure half and the lookup cache
 are pure; the client (`Directory`), its Redis connection, its scripts, the tracked
-lookup connection and the heartbeat loop do I/O.
-Not wired into routing yet: see design §10 for what is built.
+lookup connection, the heartbeat loop and `cancel_and_wait` do I/O. The fleet's link
+(`router/fleet/`) is what the rest of the router uses of it.
 """
 
 from __future__ import annotations
 
 from router.directory.breaker import BreakerState, CircuitBreaker
 from router.directory.cache import LookupCache
+from router.directory.cancelling import cancel_and_wait
 from router.directory.client import Directory, SessionKey
 from router.directory.connect import SentinelTarget, open_redis, redis_url, sentinel_nodes
 from router.directory.errors import (
@@ -80,6 +81,7 @@ __all__ = [
     "Standing",
     "SweepReport",
     "TrackedLookups",
+    "cancel_and_wait",
     "meaning_of",
     "open_redis",
     "redis_url",

@@ -12,6 +12,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from router.directory.cancelling import cancel_and_wait
 from router.directory.client import Directory
 from router.directory.errors import DirectoryError
 from router.directory.records import Standing
@@ -53,8 +54,7 @@ class HeartbeatLoop:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait(task)
 
     async def _run(self) -> None:
         while True:

@@ -24,6 +24,7 @@ from typing import Final
 from router.core import ClaimState, RouterCore
 from router.directory import (
     WITHOUT_AN_ANSWER,
+    cancel_and_wait,
     ClaimOutcome,
     ClaimVerdict,
     Directory,
@@ -163,12 +164,10 @@ class FleetLink:
         after a lease), the heartbeat stopped, the connections closed."""
         self._stopping = True
         if self._registering is not None:
-            self._registering.cancel()
-            await asyncio.gather(self._registering, return_exceptions=True)
+            await cancel_and_wait(self._registering)
         await self.heartbeat.stop()
         if self._watching is not None:
-            self._watching.cancel()
-            await asyncio.gather(self._watching, return_exceptions=True)
+            await cancel_and_wait(self._watching)
         if self.registered:
             try:
                 await self.directory.retire("sigterm")
@@ -215,6 +214,8 @@ class FleetLink:
                 extra={"router_id": self.router_id, "epoch": registration.epoch},
             )
             await self.write_back()
+            if self._stopping:
+                return  # stopped as it wrote back: no heartbeat after stop()
             self.heartbeat.start()
             if self._watching is None:
                 self._watching = asyncio.get_running_loop().create_task(
