@@ -34,6 +34,7 @@ from router.fleet import (
     answer_for,
     lease_lapsed,
     not_owner,
+    owner_restarted,
     owner_unreachable,
     peer_refused,
     sign,
@@ -200,7 +201,11 @@ class PublicHandler(ExchangeOwner):
             if kind is not None and key is not None:
                 claim = self.core.claims.lookup(kind, key)
                 if claim is None and not self.peer_side:
-                    return self._look_up_and_route(exchange, kind, key)
+                    found_there = fleet.cached(kind, key)
+                    if found_there is None:
+                        return self._look_up_and_route(exchange, kind, key)
+                    # The lookup cache's answer: acted on at once, no task for it.
+                    return self._settle(exchange, kind, key, found_there)
                 # A held key only: an ended or exited one is 410 for good, lease or not.
                 if claim is not None and claim.state is HELD and not fleet.serving(self._clock()):
                     # Checked as it is served, not as it was accepted: a request that
@@ -257,34 +262,49 @@ class PublicHandler(ExchangeOwner):
         return None
 
     async def _look_up_and_route(self, exchange: Exchange, kind: str, key: str) -> None:
-        """A key this router's table does not know: what the directory says of it decides
-        (design §10, the request path): its owner's peer listener, a 410 or a 503, or
-        this router's own answer (its own key, or nobody's in a settled fleet)."""
+        """A key this router's table does not know, and the lookup cache neither: what
+        the directory says of it decides (`_settle`)."""
         fleet = self.fleet
         assert fleet is not None
         found = await fleet.lookup(kind, key)
+        step = self._settle(exchange, kind, key, found)
+        if isinstance(step, Forward):
+            await self._forward_and_finish(exchange, step)
+        elif step is not None:
+            await step
+
+    def _settle(
+        self, exchange: Exchange, kind: str, key: str, found: Lookup
+    ) -> Forward | Coroutine[Any, Any, None] | None:
+        """What a lookup's answer does with a request for a key this router's table did
+        not know (design §10, the request path): its owner's peer listener (a coroutine),
+        a 410 or a 503 (None: answered), or this router's own decision (its own key, or
+        nobody's in a settled fleet)."""
         claim = self.core.claims.lookup(kind, key)
-        if claim is None:  # not claimed here meanwhile
+        if claim is None:  # not claimed here while it was looked up
             if found.meaning is RequestMeaning.PEER:
-                self._decision_observed(exchange)
-                try:
-                    await self._forward_to_peer(exchange, kind, key, found)
-                except BodyBroken as broken:
-                    exchange.body_broke(broken)
-                self._finish(exchange)
-                return
+                return self._to_peer(exchange, kind, key, found)
             answer = answer_for(found.meaning, key, kind in self.core.settings.mcp_kinds)
             if answer is not None:
                 if self.metrics is not None:
                     exchange.decided = _perf_counter()
                 self._answer(exchange, answer)
-                return
-        elif claim.state is HELD and not fleet.serving(self._clock()):  # claimed meanwhile
-            self._answer(exchange, lease_lapsed(key))
-            return
-        decision = self._decide(exchange, kind, key)
-        if decision is not None:
-            await self._forward_and_finish(exchange, decision)
+                return None
+        elif claim.state is HELD:
+            fleet = self.fleet
+            assert fleet is not None
+            if not fleet.serving(self._clock()):
+                self._answer(exchange, lease_lapsed(key))
+                return None
+        return self._decide(exchange, kind, key)
+
+    async def _to_peer(self, exchange: Exchange, kind: str, key: str, found: Lookup) -> None:
+        self._decision_observed(exchange)
+        try:
+            await self._forward_to_peer(exchange, kind, key, found)
+        except BodyBroken as broken:
+            exchange.body_broke(broken)
+        self._finish(exchange)
 
     async def _forward_to_peer(
         self, exchange: Exchange, kind: str, key: str, found: Lookup
@@ -294,16 +314,11 @@ class PublicHandler(ExchangeOwner):
         `recovering`, and its retry's lookup finds the key's new owner, or that it is dead.
         """
         if not await self._hop(exchange, kind, key, found):
-            assert self.fleet is not None
-            self.fleet.counts.peer_forward("not_owner")
-            exchange.answer(
-                Answer(
-                    "recovering",
-                    "The router that holds this episode restarted as it was reached; retry.",
-                    key,
-                    retry_after_s=1.0,
-                )
-            )
+            fleet = self.fleet
+            assert fleet is not None
+            fleet.counts.peer_forward("not_owner")
+            fleet.forget(kind, key)
+            exchange.answer(owner_restarted(key))
 
     async def _hop(self, exchange: Exchange, kind: str, key: str, found: Lookup) -> bool:
         """One hop to the router that holds `key`, signed; its answer relayed as it is,
@@ -339,6 +354,7 @@ class PublicHandler(ExchangeOwner):
                 return False
             if exchange.failed_by_client(failure):
                 return True
+            fleet.forget(kind, key)  # the retry asks the directory again
             if not failure.request_sent:
                 counts.peer_forward("owner_unreachable")
                 exchange.answer(owner_unreachable(key))

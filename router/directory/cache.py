@@ -2,12 +2,20 @@
 it changed (design §10: "a cached negative answer is only kept while the directory can
 invalidate it").
 
-Only answers that Redis invalidates by the owner record's own key are kept: absent
-(no record, in a settled fleet), ended and dead. A held answer is never kept: its
-owner's liveness lives in other keys (membership, certificates) and changes without
-the record changing. Redis client tracking tells of every change to a key the lookup
-connection read (`router/directory/tracking.py`); the cache is on only while that
-channel is live, and emptied whenever it or the lookup connection was lost.
+Absent (no record, in a settled fleet), ended and dead answers are kept until Redis says
+the owner record changed. A held answer is kept too, but only while its owner's lease
+surely runs (the lease left that the lookup read, counted from when the lookup went
+out): its owner's liveness lives in other keys (membership, certificates), which can
+change without the record changing. Kept that long, a held answer is never what makes
+a request wrong: a release, a takeover or a dead owner's tombstone TTL changes the
+record (and Redis says so); an owner that died meanwhile answers nothing (503
+`owner_unreachable`, as it would with a fresh lookup while its lease runs); one paused
+past its lease refuses to serve (503) on its own clock, so no 200 ever follows a 410
+given elsewhere; and a hop that fails drops the entry (`forget`).
+
+Redis client tracking tells of every change to a key the lookup connection read
+(`router/directory/tracking.py`); the cache is on only while that channel is live, and
+emptied whenever it or the lookup connection was lost.
 
 A link to Redis that is cut without a close (no FIN, no RST) would leave the cache on
 while changes made elsewhere never arrive: the channel is pinged every 100 ms, and
@@ -25,14 +33,20 @@ from __future__ import annotations
 
 from router.directory.records import KeyLookup, LookupState
 
+_NEVER = float("inf")
+
 # 300 ms: three pings missed. A cut link stops cached answers that soon; a busy loop
 # that reads a pong late only sends a few lookups to Redis meanwhile.
 DEFAULT_MAX_SILENCE_S = 0.3
+# How much sooner than the lease the lookup read a held answer is given up: as much as a
+# router gives up serving its own keys before its lease (router/fleet/link.py), which
+# covers the two clocks' drift over a lease.
+HELD_MARGIN_S = 0.2
 # 100,000 keys: a burst of unknown keys (a scan with made-up tokens) cannot grow the
 # cache without bound; past it, new answers are not kept.
 DEFAULT_MAX_ENTRIES = 100_000
 
-_KEPT = (LookupState.ABSENT, LookupState.ENDED, LookupState.DEAD)
+_KEPT_UNTIL_CHANGED = (LookupState.ABSENT, LookupState.ENDED, LookupState.DEAD)
 
 
 class LookupCache:
@@ -41,6 +55,7 @@ class LookupCache:
     __slots__ = (
         "_entries",
         "_heard_at",
+        "_held_margin_s",
         "_max_entries",
         "_max_silence_s",
         "_on",
@@ -54,13 +69,15 @@ class LookupCache:
         max_entries: int = DEFAULT_MAX_ENTRIES,
         max_silence_s: float = DEFAULT_MAX_SILENCE_S,
     ) -> None:
-        self._entries: dict[str, KeyLookup] = {}
+        # owner key -> (the answer, until when it may be given: loop time)
+        self._entries: dict[str, tuple[KeyLookup, float]] = {}
         self._max_entries = max_entries
         self._max_silence_s = max_silence_s
         self._heard_at = float("-inf")  # when the channel last delivered anything
         self._on = False
         self.generation = 0  # bumped by every invalidation, loss and switch
         self.lease_ms = lease_ms
+        self._held_margin_s = min(HELD_MARGIN_S, lease_ms / 10_000)
 
     @property
     def on(self) -> bool:
@@ -81,24 +98,48 @@ class LookupCache:
         has been silent past `max_silence_s` (its invalidations may be held up)."""
         if not self._on or now - self._heard_at > self._max_silence_s:
             return None
-        return self._entries.get(owner_key)
+        entry = self._entries.get(owner_key)
+        if entry is None:
+            return None
+        if now >= entry[1]:  # a held answer past its owner's lease: asked again
+            del self._entries[owner_key]
+            return None
+        return entry[0]
 
-    def store(self, owner_keys: list[str], lookups: list[KeyLookup], generation: int) -> int:
-        """Keep the answers worth keeping of one lookup that went out at `generation`;
-        nothing if anything was invalidated meanwhile. Returns how many were kept."""
+    def store(
+        self, owner_keys: list[str], lookups: list[KeyLookup], generation: int, sent_at: float
+    ) -> int:
+        """Keep the answers worth keeping of one lookup that went out at `generation`,
+        at loop time `sent_at`; nothing if anything was invalidated meanwhile. Returns
+        how many were kept."""
         if not self._on or generation != self.generation:
             return 0
         kept = 0
         entries = self._entries
         for owner_key, lookup in zip(owner_keys, lookups, strict=True):
-            state = lookup.result.state
-            if state not in _KEPT or len(entries) >= self._max_entries:
+            if len(entries) >= self._max_entries:
+                break
+            result = lookup.result
+            state = result.state
+            if state is LookupState.HELD:
+                # The lease ran that long from when the directory answered, which was
+                # no sooner than `sent_at`.
+                until = sent_at + result.lease_left_ms / 1000 - self._held_margin_s
+                if until <= sent_at:
+                    continue  # within a grace, or about to lapse: asked every time
+            elif state not in _KEPT_UNTIL_CHANGED:
                 continue
-            if state is LookupState.ABSENT and lookup.fleet.repopulating(self.lease_ms):
+            elif state is LookupState.ABSENT and lookup.fleet.repopulating(self.lease_ms):
                 continue  # an absent record proves nothing yet: 503, asked again
-            entries[owner_key] = lookup
+            else:
+                until = _NEVER
+            entries[owner_key] = (lookup, until)
             kept += 1
         return kept
+
+    def forget(self, owner_key: str) -> None:
+        """Drop the answer for `owner_key` (a hop to the owner it names failed)."""
+        self._entries.pop(owner_key, None)
 
     def invalidate(self, owner_keys: list[str] | None) -> None:
         """Redis says these keys changed; None: every key (FLUSHALL, FLUSHDB)."""

@@ -163,13 +163,23 @@ class Directory:
     async def lookup_one(self, kind: str, key: str) -> KeyLookup:
         """Look one key up, batched with the other lookups of this loop turn, under
         `lookup_timeout_ms` of its own; from the cache when it holds the key."""
-        tracking = self._tracking
-        if tracking is not None:
-            now = asyncio.get_running_loop().time()
-            cached = tracking.cache.get(self.layout.owner(kind, key), now)
-            if cached is not None:
-                return cached
+        cached = self.cached(kind, key)
+        if cached is not None:
+            return cached
         return await self._lookups.ask((kind, key))
+
+    def cached(self, kind: str, key: str) -> KeyLookup | None:
+        """The lookup cache's answer for a key, if it holds one that is still good."""
+        tracking = self._tracking
+        if tracking is None:
+            return None
+        now = asyncio.get_running_loop().time()
+        return tracking.cache.get(self.layout.owner(kind, key), now)
+
+    def forget(self, kind: str, key: str) -> None:
+        """Drop the cached answer for a key (a hop to the owner it named failed)."""
+        if self._tracking is not None:
+            self._tracking.cache.forget(self.layout.owner(kind, key))
 
     async def members(self) -> tuple[Member, ...]:
         """The membership: every router's current incarnation, lease and peer."""
@@ -231,11 +241,12 @@ class Directory:
         s = self.settings
         owners = self._owners(keys)
         generation = tracking.cache.generation  # what the cache knew when this went out
+        sent_at = asyncio.get_running_loop().time()
         args = (self.layout.prefix, s.lease_ms, s.quiet_ms)
         reply = await self._guarded(tracking.lookup(owners, args), deadline_s)
         batch = decode_lookup(reply, len(keys))
         lookups = [KeyLookup(result, batch.fleet) for result in batch.results]
-        tracking.cache.store(owners, lookups, generation)
+        tracking.cache.store(owners, lookups, generation, sent_at)
         return lookups
 
     def _owners(self, keys: Sequence[SessionKey]) -> list[str]:

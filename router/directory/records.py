@@ -43,17 +43,23 @@ class LookupState(enum.Enum):
     ABSENT = "absent"  # no record
 
 
+# Items per key in the lookup script's answer.
+LOOKUP_ITEMS = 5
+
 _LOOKUP_CODES = {"h": LookupState.HELD, "e": LookupState.ENDED, "x": LookupState.DEAD}
 
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
     """One key's lookup: its state, its owner record (None when absent) and, for a key
-    held by a live incarnation, that router's peer address."""
+    held by a live incarnation, that router's peer address and how long its lease ran
+    from the moment the directory answered (ms; 0 within a grace that keeps a lapsed
+    lease alive)."""
 
     state: LookupState
     owner: Owner | None = None
     peer: str | None = None
+    lease_left_ms: int = 0
 
 
 ABSENT = LookupResult(LookupState.ABSENT)
@@ -184,12 +190,12 @@ def decode_fleet(reply: Reply, at: int = 0) -> FleetView:
 
 def decode_lookup(reply: object, count: int) -> LookupBatch:
     """The lookup script's answer for `count` keys: `[now, since, grace]` then
-    `code, router, epoch, peer` per key (code `a` absent, `h`, `e`, `x`)."""
-    items = _array(reply, 3 + 4 * count)
-    if len(items) != 3 + 4 * count:
+    `code, router, epoch, peer, lease left` per key (code `a` absent, `h`, `e`, `x`)."""
+    items = _array(reply, 3 + LOOKUP_ITEMS * count)
+    if len(items) != 3 + LOOKUP_ITEMS * count:
         raise DirectoryReplyError(f"a lookup of {count} keys answered {len(items)} items")
     results: list[LookupResult] = []
-    for at in range(3, len(items), 4):
+    for at in range(3, len(items), LOOKUP_ITEMS):
         code = items[at]
         if code == "a":
             results.append(ABSENT)
@@ -199,8 +205,12 @@ def decode_lookup(reply: object, count: int) -> LookupBatch:
             raise DirectoryReplyError(f"unknown lookup code {code!r}")
         stored = OwnerState.ENDED if state is LookupState.ENDED else OwnerState.HELD
         owner = Owner(_text(items[at + 1]), _integer(items[at + 2]), stored)
-        peer = _text(items[at + 3]) if state is LookupState.HELD else None
-        results.append(LookupResult(state, owner, peer))
+        if state is LookupState.HELD:
+            results.append(
+                LookupResult(state, owner, _text(items[at + 3]), _integer(items[at + 4]))
+            )
+        else:
+            results.append(LookupResult(state, owner))
     return LookupBatch(decode_fleet(items), tuple(results))
 
 

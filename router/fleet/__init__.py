@@ -11,6 +11,7 @@ from router.fleet.answers import (
     answer_for,
     lease_lapsed,
     not_owner,
+    owner_restarted,
     owner_unreachable,
     peer_refused,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "answer_for",
     "lease_lapsed",
     "not_owner",
+    "owner_restarted",
     "owner_unreachable",
     "peer_refused",
     "sign",

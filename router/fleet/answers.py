@@ -52,6 +52,17 @@ def not_owner(key: str | None) -> Answer:
     return Answer("not_owner", "This router is not the incarnation the hop was meant for.", key)
 
 
+def owner_restarted(key: str) -> Answer:
+    """503: the owner answered 421 `not_owner` to the hop (it registered again since the
+    lookup); never relayed: the retry's lookup finds the key's new owner, or its end."""
+    return Answer(
+        "recovering",
+        "The router that holds this episode restarted as it was reached; retry.",
+        key,
+        retry_after_s=RECOVERING_RETRY_S,
+    )
+
+
 def peer_refused(reason: str, key: str | None) -> Answer:
     """403: a request on the peer listener without a valid hop signature."""
     return Answer("peer_refused", f"The peer listener refused the hop: {reason}.", key)

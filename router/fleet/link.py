@@ -24,7 +24,6 @@ from typing import Final
 from router.core import ClaimState, RouterCore
 from router.directory import (
     WITHOUT_AN_ANSWER,
-    cancel_and_wait,
     ClaimOutcome,
     ClaimVerdict,
     Directory,
@@ -32,10 +31,12 @@ from router.directory import (
     DirectorySettings,
     HeartbeatLoop,
     LookupResult,
+    LookupState,
     Member,
     RequestMeaning,
     Standing,
     TrackedLookups,
+    cancel_and_wait,
     meaning_of,
 )
 from router.metrics import FleetFigures
@@ -316,12 +317,39 @@ class FleetLink:
 
     # -- the request path ------------------------------------------------------------------
 
+    def cached(self, kind: str, key: str) -> Lookup | None:
+        """What a key the local table does not know means, from the lookup cache alone:
+        None when it holds no good answer (then `lookup` asks the directory). Held keys
+        come back only as another router's (PEER)."""
+        epoch = self.directory.epoch
+        if epoch is None:
+            return None
+        found = self.directory.cached(kind, key)
+        if found is None:
+            return None
+        meaning = meaning_of(
+            found.result, found.fleet, self.router_id, epoch, self.settings.lease_ms
+        )
+        if found.result.state is LookupState.HELD and meaning is not RequestMeaning.PEER:
+            return None  # ours, of this incarnation or one before: the directory says
+        self._count_lookup(meaning)
+        return Lookup(meaning, found.result)
+
+    def forget(self, kind: str, key: str) -> None:
+        """A hop to the owner a lookup named failed: that answer is not given again."""
+        self.directory.forget(kind, key)
+
     async def lookup(self, kind: str, key: str) -> Lookup:
-        """What a key the local table does not know means (never raises)."""
+        """What a key the local table does not know means (never raises); asked of the
+        directory when the cache holds no good answer (`directory_lookup_seconds` times
+        those waits)."""
         epoch = self.directory.epoch
         if epoch is None:
             self._count_lookup(WITHOUT_AN_ANSWER)
             return UNANSWERED
+        cached = self.cached(kind, key)
+        if cached is not None:
+            return cached
         started = self._clock()
         try:
             found = await self.directory.lookup_one(kind, key)

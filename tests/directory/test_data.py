@@ -77,13 +77,15 @@ FLEET = [1000, 0, 500]  # now, since, grace: a settled fleet
 
 
 def test_a_lookup_answer_decodes_into_one_result_per_key() -> None:
-    reply = [*FLEET, "a", "", "", "", "h", "r2", "7", "http://10.0.0.2:9903"]
-    reply += ["e", "r3", "4", "", "x", "r4", "2", ""]
+    reply = [*FLEET, "a", "", "", "", "", "h", "r2", "7", "http://10.0.0.2:9903", 8000]
+    reply += ["e", "r3", "4", "", "", "x", "r4", "2", "", ""]
     batch = decode_lookup(reply, 4)
     assert batch.fleet == FleetView(1000, 0, 500)
     assert batch.results == (
         ABSENT,
-        LookupResult(LookupState.HELD, Owner("r2", 7, OwnerState.HELD), "http://10.0.0.2:9903"),
+        LookupResult(
+            LookupState.HELD, Owner("r2", 7, OwnerState.HELD), "http://10.0.0.2:9903", 8000
+        ),
         LookupResult(LookupState.ENDED, Owner("r3", 4, OwnerState.ENDED)),
         LookupResult(LookupState.DEAD, Owner("r4", 2, OwnerState.HELD)),
     )
@@ -95,9 +97,11 @@ def test_a_lookup_answer_decodes_into_one_result_per_key() -> None:
         None,
         "ok",
         [*FLEET],  # one key asked, none answered
-        [*FLEET, "q", "r1", "1", ""],  # an unknown code
-        [*FLEET, "h", "r1", "one", ""],  # an epoch that is no number
-        [*FLEET, "a", "", "", "", "a", "", "", ""],  # two answers for one key
+        [*FLEET, "q", "r1", "1", "", ""],  # an unknown code
+        [*FLEET, "h", "r1", "one", "", 10],  # an epoch that is no number
+        [*FLEET, "h", "r1", "1", "p", ""],  # a held answer without its lease left
+        [*FLEET, *["a", "", "", "", ""] * 2],  # two answers for one key
+        [*FLEET, "a", "", "", ""],  # the answer of the old, shorter shape
     ],
 )
 def test_a_lookup_answer_of_the_wrong_shape_is_a_reply_error(reply: object) -> None:

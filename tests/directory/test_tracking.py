@@ -1,6 +1,6 @@
 """The lookup cache: its rules without a loop, and its invalidation by a real redis-server
 through client tracking (absent, ended and dead answers kept only while Redis can say
-they changed)."""
+they changed; held ones besides only while the owner's lease runs)."""
 
 from __future__ import annotations
 
@@ -26,20 +26,60 @@ from tests.directory.conftest import RedisServer, directory_for, settings
 
 SETTLED = FleetView(now_ms=50_000, since_ms=0, grace_until_ms=0)
 YOUNG = FleetView(now_ms=50_000, since_ms=45_000, grace_until_ms=55_000)
-HELD = LookupResult(LookupState.HELD, Owner("r2", 1, OwnerState.HELD), "peer")
+HELD = LookupResult(LookupState.HELD, Owner("r2", 1, OwnerState.HELD), "peer", 5_000)
 ENDED = LookupResult(LookupState.ENDED, Owner("r2", 1, OwnerState.ENDED))
+DEAD = LookupResult(LookupState.DEAD, Owner("r2", 1, OwnerState.HELD))
 
 
-def test_the_cache_keeps_absent_ended_and_dead_answers_never_held_ones() -> None:
+def held(lease_left_ms: int) -> KeyLookup:
+    owner = Owner("r2", 1, OwnerState.HELD)
+    return KeyLookup(LookupResult(LookupState.HELD, owner, "peer", lease_left_ms), SETTLED)
+
+
+def test_the_cache_keeps_absent_ended_and_dead_answers_until_they_change() -> None:
+    cache = LookupCache(lease_ms=10_000)
+    cache.switch_on()
+    cache.heard(1e6)
+    answers = [KeyLookup(ABSENT, SETTLED), KeyLookup(ENDED, SETTLED), KeyLookup(DEAD, SETTLED)]
+    assert cache.store(["a", "e", "x"], answers, cache.generation, sent_at=0.0) == 3
+    for owner_key, answer in zip(["a", "e", "x"], answers, strict=True):
+        assert cache.get(owner_key, 1e6) == answer  # no lease bounds them
+    # An absent record in a fleet still repopulating proves nothing: not kept.
+    assert cache.store(["y"], [KeyLookup(ABSENT, YOUNG)], cache.generation, 0.0) == 0
+
+
+def test_a_held_answer_is_kept_only_while_its_owners_lease_surely_runs() -> None:
+    cache = LookupCache(lease_ms=10_000)
+    cache.switch_on()
+    cache.heard(100.0)
+    assert cache.store(["h"], [held(5_000)], cache.generation, sent_at=100.0) == 1
+    assert cache.get("h", 100.0) == held(5_000)
+    cache.heard(104.7)  # the channel is pinged: heard all along
+    assert cache.get("h", 104.79) == held(5_000)  # the lease less the 0.2 s margin
+    cache.heard(104.8)
+    assert cache.get("h", 104.8) is None  # past it: asked again, and dropped
+    assert "h" not in cache
+    # Nothing left of the lease past the margin (a grace keeps a lapsed one alive: 0):
+    # asked every time.
+    assert cache.store(["g", "s"], [held(0), held(150)], cache.generation, 104.8) == 0
+
+
+def test_a_held_answer_is_dropped_when_its_hop_fails_or_its_record_changes() -> None:
     cache = LookupCache(lease_ms=10_000)
     cache.switch_on()
     cache.heard(0)
-    answers = [KeyLookup(ABSENT, SETTLED), KeyLookup(HELD, SETTLED), KeyLookup(ENDED, SETTLED)]
-    assert cache.store(["a", "h", "e"], answers, cache.generation) == 2
-    assert cache.get("a", 0) == answers[0] and cache.get("e", 0) == answers[2]
-    assert cache.get("h", 0) is None
-    # An absent record in a fleet still repopulating proves nothing: not kept.
-    assert cache.store(["y"], [KeyLookup(ABSENT, YOUNG)], cache.generation) == 0
+    cache.store(["h1", "h2"], [held(5_000), held(5_000)], cache.generation, 0.0)
+    cache.forget("h1")
+    cache.invalidate(["h2"])
+    assert cache.get("h1", 0) is None and cache.get("h2", 0) is None and len(cache) == 0
+
+
+def test_a_short_lease_keeps_a_tenth_of_itself_as_the_margin() -> None:
+    cache = LookupCache(lease_ms=1_500)
+    cache.switch_on()
+    cache.store(["h"], [held(1_500)], cache.generation, 0.0)
+    cache.heard(1.3)
+    assert cache.get("h", 1.34) is not None and cache.get("h", 1.36) is None
 
 
 def test_a_lookup_that_saw_an_invalidation_in_flight_stores_nothing() -> None:
@@ -48,21 +88,21 @@ def test_a_lookup_that_saw_an_invalidation_in_flight_stores_nothing() -> None:
     cache.heard(0)
     sent_at = cache.generation
     cache.invalidate(["other"])  # arrived while the lookup was in flight
-    assert cache.store(["a"], [KeyLookup(ABSENT, SETTLED)], sent_at) == 0
+    assert cache.store(["a"], [KeyLookup(ABSENT, SETTLED)], sent_at, 0.0) == 0
     assert cache.get("a", 0) is None
 
 
 def test_the_cache_forgets_invalidated_keys_a_flush_and_everything_when_switched_off() -> None:
     cache = LookupCache(lease_ms=10_000)
-    assert cache.store(["a"], [KeyLookup(ABSENT, SETTLED)], cache.generation) == 0  # off
+    assert cache.store(["a"], [KeyLookup(ABSENT, SETTLED)], cache.generation, 0.0) == 0  # off
     cache.switch_on()
     cache.heard(0)
-    cache.store(["a", "b"], [KeyLookup(ABSENT, SETTLED)] * 2, cache.generation)
+    cache.store(["a", "b"], [KeyLookup(ABSENT, SETTLED)] * 2, cache.generation, 0.0)
     cache.invalidate(["a"])
     assert cache.get("a", 0) is None and cache.get("b", 0) is not None
     cache.invalidate(None)
     assert len(cache) == 0
-    cache.store(["b"], [KeyLookup(ABSENT, SETTLED)], cache.generation)
+    cache.store(["b"], [KeyLookup(ABSENT, SETTLED)], cache.generation, 0.0)
     cache.switch_off()
     assert cache.get("b", 0) is None and len(cache) == 0
 
@@ -71,7 +111,7 @@ def test_the_cache_answers_only_while_its_channel_was_heard_lately() -> None:
     cache = LookupCache(lease_ms=10_000, max_silence_s=0.3)
     cache.switch_on()
     cache.heard(10.0)
-    cache.store(["a"], [KeyLookup(ABSENT, SETTLED)], cache.generation)
+    cache.store(["a"], [KeyLookup(ABSENT, SETTLED)], cache.generation, 0.0)
     assert cache.get("a", 10.29) is not None
     assert cache.get("a", 10.31) is None  # silent too long: a cut link, perhaps
     cache.heard(10.4)
@@ -82,7 +122,7 @@ def test_the_cache_is_bounded() -> None:
     cache = LookupCache(lease_ms=10_000, max_entries=2)
     cache.switch_on()
     cache.heard(0)
-    kept = cache.store(["a", "b", "c"], [KeyLookup(ABSENT, SETTLED)] * 3, cache.generation)
+    kept = cache.store(["a", "b", "c"], [KeyLookup(ABSENT, SETTLED)] * 3, cache.generation, 0.0)
     assert kept == 2 and cache.get("c", 0) is None
 
 
@@ -127,19 +167,38 @@ async def test_an_absent_answer_is_served_from_the_cache_until_a_claim_invalidat
     assert (await directory.lookup_one("episode", "k1")).result.state is LookupState.HELD
 
 
-async def test_held_answers_always_ask_redis_and_ended_ones_are_kept(
+async def test_held_and_ended_answers_are_kept_and_a_release_invalidates_the_held_one(
     tracked: tuple[Directory, TrackedLookups], redis_client: Redis, redis_server: RedisServer
 ) -> None:
-    directory, _ = tracked
+    directory, tracking = tracked
     other = await directory_for(redis_client, "r2")
     await other.claim([("episode", "held"), ("episode", "ended")])
     await other.release([("episode", "ended")])
-    for key, state in (("held", LookupState.HELD), ("ended", LookupState.ENDED)):
-        assert (await directory.lookup_one("episode", key)).result.state is state
+    first = await directory.lookup_one("episode", "held")
+    assert first.result.state is LookupState.HELD
+    # The owner's lease as the directory saw it: registered a moment ago.
+    lease_ms = directory.settings.lease_ms
+    assert lease_ms - 1_000 < first.result.lease_left_ms <= lease_ms
+    assert (await directory.lookup_one("episode", "ended")).result.state is LookupState.ENDED
     calls = redis_server.script_calls()
-    await directory.lookup_one("episode", "held")
+    assert await directory.lookup_one("episode", "held") == first
     await directory.lookup_one("episode", "ended")
-    assert redis_server.script_calls() == calls + 1  # the held one only
+    assert redis_server.script_calls() == calls  # both from the cache
+    await other.release([("episode", "held")])
+    assert await until(lambda: "{episode-router}:owner:episode:held" not in tracking.cache)
+    assert (await directory.lookup_one("episode", "held")).result.state is LookupState.ENDED
+
+
+async def test_a_held_answer_of_a_retired_owner_is_invalidated_and_then_dead(
+    tracked: tuple[Directory, TrackedLookups], redis_client: Redis
+) -> None:
+    directory, tracking = tracked
+    other = await directory_for(redis_client, "r2")
+    await other.claim([("episode", "k")])
+    assert (await directory.lookup_one("episode", "k")).result.state is LookupState.HELD
+    await other.retire("sigterm")  # its records get their tombstone TTL: a change
+    assert await until(lambda: "{episode-router}:owner:episode:k" not in tracking.cache)
+    assert (await directory.lookup_one("episode", "k")).result.state is LookupState.DEAD
 
 
 async def test_losing_the_invalidation_channel_empties_the_cache_until_it_is_back(

@@ -314,26 +314,74 @@ async def test_a_router_paused_past_its_lease_is_fenced_and_never_serves_a_key_a
     (await fleet.call("r1", tok)).assert_answer(410, "worker_exited", key)
 
 
+async def test_a_peers_episode_is_forwarded_from_the_cached_answer_until_its_record_changes(
+    fleet: Fleet, redis_server: RedisServer
+) -> None:
+    tok, key = await fleet.episode_on("r1")
+    assert (await fleet.call("r2", tok)).worker == "r1-w0"  # looked up once
+    calls = redis_server.script_calls()
+    for _ in range(5):
+        assert (await fleet.call("r2", tok)).worker == "r1-w0"
+    # The owner's lease runs: no lookup for these (the heartbeats' and sweeps' calls
+    # are the only scripts meanwhile, two a beat per router at most).
+    lookups = fleet.routers["r2"].fleet
+    assert lookups is not None
+    assert lookups.counts.lookup_seconds_count == 1
+    assert lookups.counts.lookups == {"peer": 6}
+    assert redis_server.script_calls() - calls <= 8
+    await fleet.workers["r1"].release_key(key)
+
+    async def ended_there() -> bool:
+        return (await fleet.call("r2", tok)).status == 410
+
+    await wait_until(ended_there, "r2 to hear the release")
+    (await fleet.call("r2", tok)).assert_answer(410, "episode_ended", key)
+
+
+async def test_a_cached_peer_answer_whose_owner_stopped_is_dropped_and_asked_again(
+    fleet: Fleet,
+) -> None:
+    tok, key = await fleet.episode_on("r1")
+    assert (await fleet.call("r2", tok)).worker == "r1-w0"
+    await fleet.routers["r1"].stop()  # SIGTERM: its certificate, its records' TTL
+    statuses: list[int] = []
+
+    async def exited_there() -> bool:
+        reply = await fleet.call("r2", tok)
+        statuses.append(reply.status)
+        return reply.status == 410
+
+    await wait_until(exited_there, "r2 to answer 410 for the stopped router's key")
+    (await fleet.call("r2", tok)).assert_answer(410, "worker_exited", key)
+    assert set(statuses) <= {410, 503}, statuses  # never a 401, never another worker
+
+
 async def test_a_directory_that_lost_its_data_is_repopulated_from_the_routers_tables(
     fleet: Fleet, redis_server: RedisServer
 ) -> None:
     tok, key = await fleet.episode_on("r1")
     await settled(fleet)
     assert (await fleet.call("r2", tok)).worker == "r1-w0"
+    r1 = fleet.routers["r1"].fleet
+    assert r1 is not None
+    written_back = r1.counts.written_back
     redis_server.client().flushall()  # a restart without persistence, as the routers see it
     answers: list[int] = []
 
     async def forwarded_again() -> bool:
+        # Until r1's next heartbeat finds itself lost and writes its table back, r2 may
+        # still forward from the answer it had (r1 holds the key all along) or say 503.
         reply = await fleet.call("r2", tok)
         answers.append(reply.status)
         if reply.status == 503:
             reply.assert_answer(503, "recovering", key)  # never a wrong 401
-        return reply.status == 200 and reply.worker == "r1-w0"
+        else:
+            assert reply.status == 200 and reply.worker == "r1-w0"
+        done = r1.counts.lost == 1 and r1.counts.written_back > written_back
+        return done and reply.status == 200
 
     await wait_until(forwarded_again, "r1 to write its table back", timeout_s=LEASE_S * 4)
     assert set(answers) <= {200, 503}, answers
-    r1 = fleet.routers["r1"].fleet
-    assert r1 is not None and r1.counts.lost == 1
     assert (await fleet.call("r1", tok)).worker == "r1-w0"
 
 

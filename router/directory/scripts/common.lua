@@ -95,13 +95,14 @@ end
 -- The incarnation that took over from (router, epoch): one that replaced it while its
 -- lease was alive (a restart, not a death anyone was told of) and is alive itself.
 -- Its keys are that successor's to claim back (section 3's restart rules hold for each
--- router), so a lookup names the successor, never a 410. Returns its epoch and peer, or nil.
+-- router), so a lookup names the successor, never a 410. Returns its epoch, peer and lease
+-- deadline, or nil.
 local function successor(router, epoch, now, grace)
   local certificate = redis.call('GET', death_key(router, epoch))
   if not certificate or string.sub(certificate, 1, 9) ~= 'replaced ' then return nil end
   local current = member(router)
   if not current or current == tonumber(epoch) then return nil end
-  local status, peer = standing(router, current, now, grace)
+  local status, peer, deadline = standing(router, current, now, grace)
   if status ~= 'ok' then return nil end
-  return current, peer
+  return current, peer, deadline
 end
