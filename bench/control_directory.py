@@ -1,6 +1,7 @@
 """Claim+release pairs through the control socket and the claims directory (design §10).
 
-`python -m bench.control_directory [--quick] [--pairs N] [--rounds R] [--json FILE]`
+`python -m bench.control_directory [--quick] [--pairs N] [--rounds R] [--collector C]
+[--json FILE]`
 
 It starts its own `redis-server` (Debian's package) on a free loopback port with
 nothing persisted, and stops it by its pid at the end. In this process, a
@@ -14,6 +15,13 @@ counted, not decoded), `R` rounds of `N` pairs each, in turn:
 - local: no gate (the claims are the local table's alone), the same server
   otherwise: what the directory costs on top.
 
+The garbage collector runs as in a router process (`--collector router`, the default:
+`router.service.process.tune_gc` once everything is set up, so startup's objects are
+frozen and gen 0 runs at GC_GEN0_THRESHOLD) or with CPython's defaults
+(`--collector default`). The collector's passes were most of the CPU per pair with
+the defaults, and each full pass walks the claim table, whose tombstones grow by one
+a pair (every key claimed ends): with the defaults, the rate falls round by round.
+
 Printed: the median pairs per second of each, and of the directory's rounds this
 process's CPU per pair and redis-server's. The issue's target is 20,000 pairs/s
 through the directory over one control connection. `--quick` shrinks the counts
@@ -24,12 +32,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -42,10 +53,12 @@ from router.control.session import ControlPolicy
 from router.core.machine import CoreSettings, RouterCore
 from router.directory import Directory, DirectorySettings, open_redis
 from router.fleet.link import FleetLink
+from router.service.process import tune_gc
 from router.tokens import new_nonce
 
 RUN_TIMEOUT_S = 300.0  # the whole run's deadline
 WINDOW_PAIRS = 2000  # pairs unanswered at most, as bench.micro's control figure
+COLLECTORS = ("router", "default")
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,26 @@ class ControlDirectoryFigures:
     redis_cpu_us_per_pair: float  # redis-server's, directory rounds, median
     directory_rounds: tuple[float, ...]
     local_rounds: tuple[float, ...]
+    collector: str = "router"  # the garbage collector's settings (COLLECTORS)
+    cpu_us_rounds: tuple[float, ...] = ()  # this process's CPU per pair, directory rounds
+
+
+@contextlib.contextmanager
+def collector_as(collector: str) -> Iterator[None]:
+    """The garbage collector as `collector` says while the block runs; then as it was."""
+    if collector not in COLLECTORS:
+        raise ValueError(f"collector is one of {COLLECTORS}, not {collector!r}")
+    if collector == "default":
+        yield
+        return
+    thresholds, frozen = gc.get_threshold(), gc.get_freeze_count()
+    tune_gc()
+    try:
+        yield
+    finally:
+        if not frozen:  # else what was frozen before stays so, with what this froze
+            gc.unfreeze()
+        gc.set_threshold(*thresholds)
 
 
 def _policy() -> ControlPolicy:
@@ -129,7 +162,7 @@ async def one_round(
         await server.close()
 
 
-async def measure(pairs: int, rounds: int) -> ControlDirectoryFigures:
+async def measure(pairs: int, rounds: int, collector: str = "router") -> ControlDirectoryFigures:
     directory_rates: list[float] = []
     local_rates: list[float] = []
     cpus: list[float] = []
@@ -151,19 +184,21 @@ async def measure(pairs: int, rounds: int) -> ControlDirectoryFigures:
             core = RouterCore(CoreSettings(kinds={"episode": False}), time.monotonic())
             link = FleetLink(directory, core)
             await one_round(folder, min(pairs, 2000), link, core)  # warm up
-            for _ in range(rounds):  # interleaved: a slower stretch of the machine hits both
-                cpu, redis_cpu = time.process_time(), cpu_seconds(pid)
-                seconds, ok = await one_round(folder, pairs, link, core)
-                await asyncio.gather(*link._tasks, return_exceptions=True)  # releases written
-                cpus.append(time.process_time() - cpu)
-                redis_cpus.append(cpu_seconds(pid) - redis_cpu)
-                if ok != 2 * pairs:
-                    raise RuntimeError(f"only {ok} of {2 * pairs} replies were ok")
-                directory_rates.append(pairs / seconds)
-                seconds, ok = await one_round(folder, pairs, None, core)
-                if ok != 2 * pairs:
-                    raise RuntimeError(f"only {ok} of {2 * pairs} replies were ok (local)")
-                local_rates.append(pairs / seconds)
+            with collector_as(collector):  # as a router sets it once it is up
+                for _ in range(rounds):  # interleaved: a slower stretch hits both
+                    cpu, redis_cpu = time.process_time(), cpu_seconds(pid)
+                    seconds, ok = await one_round(folder, pairs, link, core)
+                    await asyncio.sleep(0)  # the releases of the last loop turn go out
+                    await asyncio.gather(*link._tasks, return_exceptions=True)  # written
+                    cpus.append(time.process_time() - cpu)
+                    redis_cpus.append(cpu_seconds(pid) - redis_cpu)
+                    if ok != 2 * pairs:
+                        raise RuntimeError(f"only {ok} of {2 * pairs} replies were ok")
+                    directory_rates.append(pairs / seconds)
+                    seconds, ok = await one_round(folder, pairs, None, core)
+                    if ok != 2 * pairs:
+                        raise RuntimeError(f"only {ok} of {2 * pairs} replies were ok (local)")
+                    local_rates.append(pairs / seconds)
             await directory.close()
         finally:
             await client.aclose()
@@ -177,6 +212,8 @@ async def measure(pairs: int, rounds: int) -> ControlDirectoryFigures:
         statistics.median(redis_cpus) * per_pair,
         tuple(directory_rates),
         tuple(local_rates),
+        collector,
+        tuple(cpu * per_pair for cpu in cpus),
     )
 
 
@@ -185,20 +222,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small counts, for CI")
     parser.add_argument("--pairs", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--collector", choices=COLLECTORS, default="router", help="the GC's settings"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     pairs, rounds = (2_000, 1) if args.quick else (args.pairs, args.rounds)
-    figures = run_async(asyncio.wait_for(measure(pairs, rounds), RUN_TIMEOUT_S))
+    figures = run_async(asyncio.wait_for(measure(pairs, rounds, args.collector), RUN_TIMEOUT_S))
     print(
         f"control socket + directory: {figures.directory_pairs_per_s:,.0f} claim+release "
         f"pairs/s over one connection (median of {rounds} x {pairs:,} pairs; CPU per pair "
         f"{figures.cpu_us_per_pair:.1f} us here, client included, "
-        f"{figures.redis_cpu_us_per_pair:.1f} us in redis-server)"
+        f"{figures.redis_cpu_us_per_pair:.1f} us in redis-server; collector: {args.collector})"
         + (" [quick]" if args.quick else "")
     )
     print(f"control socket, no directory: {figures.local_pairs_per_s:,.0f} pairs/s (same server)")
     print("rounds:", " ".join(f"{r:,.0f}" for r in figures.directory_rounds), "/",
           " ".join(f"{r:,.0f}" for r in figures.local_rounds))  # fmt: skip
+    print("CPU us a pair, directory rounds:", " ".join(f"{c:.1f}" for c in figures.cpu_us_rounds))
     if args.json is not None:
         args.json.write_text(json.dumps(asdict(figures), indent=2))
     return 0

@@ -14,10 +14,11 @@ pipelining worker reach over a hundred thousand claims a second. Lines are
 answered only while the unsent replies stay under WRITE_BUFFER_HIGH: the rest
 of a read waits, unread, until the peer has read enough.
 
-With a claims directory (a `ClaimGate`, design §10) some replies wait for it: they
-take their place in an ordered outbox, the claims of one read go to the gate in one
-loop turn (one task each; the directory batches them), and the outbox's ready prefix
-is applied and written as soon as it is ready, so replies keep request order. Lines
+With a claims directory (a `BatchClaimGate`, design §10) some replies wait for it:
+they take their place in an ordered outbox, the claims of one read go to the gate in
+one call (one task a read, not one a claim; the directory batches them with the other
+callers of the loop turn), and the outbox's ready prefix is applied and written as
+soon as it is ready, so replies keep request order. Lines
 go on being read and answered meanwhile, until MAX_WAITING_REPLIES wait: then the
 connection is read no further until they drain. The gate bounds each wait
 (`directory.claim_timeout_s`); the connection keeps no timer of its own per claim.
@@ -35,9 +36,8 @@ from typing import Protocol, cast
 from router.control.session import ControlPolicy, ControlSession, Peer
 from router.control.waiting import MAX_WAITING_REPLIES, GateAnswer, WaitingReply
 from router.core import RouterCore
-from router.directory.errors import DirectoryError, DirectoryUnavailable
-from router.directory.gate import ClaimGate
-from router.directory.records import ClaimOutcome
+from router.directory.errors import DirectoryError, DirectoryReplyError, DirectoryUnavailable
+from router.directory.gate import BatchClaimGate
 from router.protocol import MAX_LINE_BYTES, Reply, decode_line, encode_line, error_reply
 
 __all__ = [
@@ -85,7 +85,7 @@ class AcceptingServer(Protocol):
     @property
     def hello_deadline_s(self) -> float: ...
     @property
-    def claim_gate(self) -> ClaimGate | None: ...
+    def claim_gate(self) -> BatchClaimGate | None: ...
     @property
     def waiting_for_hello(self) -> set[ControlConnection]: ...
     def refusal_of_a_new_connection(self) -> str | None: ...
@@ -114,10 +114,12 @@ class ControlConnection(asyncio.Protocol):
         self._line_limit = HELLO_LINE_BYTES
         self.closed = asyncio.get_running_loop().create_future()
         # With a gate: replies not written yet because one before them (or they
-        # themselves) wait for the directory, in request order; the gate calls in
-        # flight (referenced until done); whether a settle is scheduled; and whether
-        # reading stopped because MAX_WAITING_REPLIES wait.
+        # themselves) wait for the directory, in request order; those of the read being
+        # answered that ask the gate (asked in one call once it is answered); the gate
+        # calls in flight (referenced until done); whether a settle is scheduled; and
+        # whether reading stopped because MAX_WAITING_REPLIES wait.
         self._outbox: deque[bytes | WaitingReply] = deque()
+        self._asking: list[WaitingReply] = []
         self._gate_calls: set[asyncio.Task[None]] = set()
         self._settle_scheduled = False
         self._outbox_full = False
@@ -172,6 +174,8 @@ class ControlConnection(asyncio.Protocol):
                 replies, used, too_long = answer(lines, room)
             finally:
                 journal.flush()
+            if self._asking:  # even when the connection ends here: they still apply
+                self._ask_gate()
             if too_long:
                 self._write_and_close(b"".join(replies))
                 return
@@ -225,8 +229,8 @@ class ControlConnection(asyncio.Protocol):
 
     def _answer_lines_gated(self, lines: list[bytes], room: int) -> tuple[list[bytes], int, bool]:
         """`_answer_lines` with a gate: a reply that waits for the directory, and every
-        reply after it, goes to the outbox instead; the gate is asked for the waiting
-        claims at once (all of this read in this loop turn). Also stops once
+        reply after it, goes to the outbox instead; the waiting claims that ask the
+        gate are gathered in `_asking` (the caller asks them in one call). Also stops once
         MAX_WAITING_REPLIES are in the outbox (then reading stops until they drain)."""
         server = self._server
         session = self.session
@@ -235,6 +239,7 @@ class ControlConnection(asyncio.Protocol):
         fast = session.answer_through_gate
         count_op = server.count_op
         outbox = self._outbox
+        asking = self._asking
         limit = self._line_limit
         replies: list[bytes] = []
         size = 0
@@ -256,7 +261,7 @@ class ControlConnection(asyncio.Protocol):
                 continue
             if isinstance(reply, WaitingReply):
                 if reply.asks:
-                    self._ask_gate(reply)
+                    asking.append(reply)
                 outbox.append(reply)
             elif outbox:
                 outbox.append(reply)  # behind a reply that waits
@@ -272,31 +277,41 @@ class ControlConnection(asyncio.Protocol):
                 return replies, used, False
         return replies, len(lines), False
 
-    def _ask_gate(self, waiting: WaitingReply) -> None:
-        """Claims the keys `waiting` waits for through the gate, in a task of its own."""
-        call = asyncio.get_running_loop().create_task(self._gate_answer(waiting), name="gate-claim")
+    def _ask_gate(self) -> None:
+        """Claims the keys the replies in `_asking` wait for through the gate, in one
+        call in a task of its own."""
+        asking, self._asking = self._asking, []
+        call = asyncio.get_running_loop().create_task(self._gate_answer(asking), name="gate-claim")
         self._gate_calls.add(call)
         call.add_done_callback(self._gate_calls.discard)
 
-    async def _gate_answer(self, waiting: WaitingReply) -> None:
+    async def _gate_answer(self, asking: list[WaitingReply]) -> None:
         session = self.session
         assert session is not None and session.gate is not None
-        gate = session.gate
-        answer: GateAnswer
+        keys = [pair for waiting in asking for pair in waiting.asks]
         try:
-            if len(waiting.asks) == 1:
-                answer = (await gate.claim(*waiting.asks[0]),)
-            else:  # a sync: its keys go out together (the directory batches them)
-                outcomes: list[ClaimOutcome] = await asyncio.gather(
-                    *(gate.claim(kind, key) for kind, key in waiting.asks)
-                )
-                answer = tuple(outcomes)
-        except DirectoryError as error:
-            answer = error
+            answers = await session.gate.claim_each(keys)
+            if len(answers) != len(keys):
+                raise DirectoryReplyError(f"{len(keys)} keys asked, {len(answers)} answers")
         except Exception as error:  # a gate that broke its contract: as if unreachable
             log.exception("the claim gate failed")
-            answer = DirectoryUnavailable(f"the claim gate failed: {error!r}")
-        waiting.answer = answer
+            failed = DirectoryUnavailable(f"the claim gate failed: {error!r}")
+            for waiting in asking:
+                waiting.answer = failed
+        else:
+            at = 0
+            for waiting in asking:
+                count = len(waiting.asks)
+                if count == 1:  # a claim
+                    one = answers[at]
+                    waiting.answer = one if isinstance(one, DirectoryError) else (one,)
+                else:  # a sync: its keys are written, or it is unavailable, together
+                    part = answers[at : at + count]
+                    failure = next((a for a in part if isinstance(a, DirectoryError)), None)
+                    waiting.answer = (
+                        failure if failure is not None else cast(GateAnswer, tuple(part))
+                    )
+                at += count
         if not self._settle_scheduled:
             # Once per loop turn, after every answer of the directory's batch is in: the
             # replies they free go out in one write (and are journaled in one).
@@ -323,9 +338,9 @@ class ControlConnection(asyncio.Protocol):
                 if isinstance(head, WaitingReply):
                     if not head.ready:
                         break
-                    op, result, reply = session.settle(head, now)
+                    op, result, line = session.settle(head, now)
                     server.count_op(op, result)
-                    written.append(encode_line(reply))
+                    written.append(line)
                 else:
                     written.append(head)
                 outbox.popleft()

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from router.control.connection import ControlConnection
 from router.control.session import ControlPolicy, ControlSession
 from router.core import RouterCore, Worker
-from router.directory.gate import ClaimGate
+from router.directory.gate import BatchClaimGate
 from router.metrics import RouterMetrics
 
 log = logging.getLogger("episode_router.control")
@@ -95,7 +95,7 @@ class ControlServer:
         metrics: RouterMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         hello_deadline_s: float = HELLO_DEADLINE_S,
-        claim_gate: ClaimGate | None = None,
+        claim_gate: BatchClaimGate | None = None,
     ) -> None:
         self._metrics = metrics
         # With a claims directory, claims are acknowledged once it holds them (design §10).

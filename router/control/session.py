@@ -35,7 +35,7 @@ from router.control.waiting import (
 )
 from router.control.worker_urls import SocketLookup, look_up_socket, url_refusal
 from router.core import RouterCore, Worker, WorkerOrigin, WorkerState
-from router.directory.gate import ClaimGate
+from router.directory.gate import BatchClaimGate
 from router.directory.records import ClaimVerdict
 from router.protocol import (
     MAX_KEY_CHARS,
@@ -136,19 +136,9 @@ _ID_LAST = re.compile(_OP + rb'"key":' + _KEY + rb',"kind":' + _KIND + rb',"id":
 _CLAIMED = ClaimVerdict.CLAIMED
 
 
-def _fast_fields(line: bytes) -> tuple[bytes, bytes, str, str] | None:
-    """The op, raw id, key and kind of a claim or release line in one of the two usual
-    shapes; None for any other line. (`answer_claim_or_release` inlines this: it is the
-    hot path without a gate.)"""
-    match = _ID_FIRST.fullmatch(line)
-    if match is not None:
-        op, raw_id, raw_key, raw_kind = match.groups()
-    else:
-        match = _ID_LAST.fullmatch(line)
-        if match is None:
-            return None
-        op, raw_key, raw_kind, raw_id = match.groups()
-    return op, raw_id, raw_key.decode(), "episode" if raw_kind is None else raw_kind.decode()
+def _request_id(request_id: object, raw_id: bytes) -> object:
+    """A request's id: `raw_id`'s JSON text decoded when given, else `request_id`."""
+    return json.loads(raw_id) if raw_id else request_id
 
 
 def valid_worker_id(worker_id: str) -> bool:
@@ -160,7 +150,11 @@ class ControlSession:
     """One control connection: at most one worker's lease."""
 
     def __init__(
-        self, core: RouterCore, policy: ControlPolicy, peer: Peer, gate: ClaimGate | None = None
+        self,
+        core: RouterCore,
+        policy: ControlPolicy,
+        peer: Peer,
+        gate: BatchClaimGate | None = None,
     ) -> None:
         self.core = core
         self.policy = policy
@@ -241,38 +235,48 @@ class ControlSession:
         """`answer_claim_or_release` with a gate: the same lines, and the same answers
         but for a claim the directory must take first (a key the local table does not
         know), returned as the `WaitingReply` its reply waits in (its result is then
-        ""), and a release of a key whose claim waits, which waits behind it."""
-        fields = _fast_fields(line)
-        if fields is None:
-            return None
-        op, raw_id, key, kind = fields
+        ""), and a release of a key whose claim waits, which waits behind it. The id
+        stays the line's bytes: decoded only for a refusal."""
+        match = _ID_FIRST.fullmatch(line)
+        if match is not None:
+            op, raw_id, raw_key, raw_kind = match.groups()
+        else:
+            match = _ID_LAST.fullmatch(line)
+            if match is None:
+                return None
+            op, raw_key, raw_kind, raw_id = match.groups()
         worker = self.worker
         if worker is None or worker.lease is not self or worker.state is WorkerState.EXITED:
             return None
+        kind = "episode" if raw_kind is None else raw_kind.decode()
         if kind not in self.core.settings.kinds:
             return None
         worker.last_heard = now
+        key = raw_key.decode()
         if op == b"claim":
-            reply = self._claim_through_gate(worker, kind, key, json.loads(raw_id), now)
+            reply = self._claim_through_gate(worker, kind, key, now, raw_id=raw_id)
+            if reply is None:
+                return "claim", "ok", b'{"id":' + raw_id + b',"ok":true}\n'
             if isinstance(reply, WaitingReply):
                 return "claim", "", reply
-            return "claim", "ok" if reply["ok"] else reply["error"], encode_line(reply)
+            return "claim", reply["error"], encode_line(reply)
         waiting = self._waiting.get((kind, key))
         if waiting is not None:
-            return "release", "", self._behind(waiting, "release", json.loads(raw_id))
+            return "release", "", self._behind(waiting, "release", None, raw_id)
         if self.core.release(worker, kind, key, now):
             self._released(kind, key)
             return "release", "ok", b'{"id":' + raw_id + b',"ok":true}\n'
         return "release", "not_holder", encode_line(not_holder(json.loads(raw_id)))
 
-    def settle(self, waiting: WaitingReply, now: float) -> tuple[str, str, Reply]:
+    def settle(self, waiting: WaitingReply, now: float) -> tuple[str, str, bytes]:
         """Apply a waiting reply whose gate answered, once every reply before it on the
-        connection was applied; returns its op, its result and the reply. A claim the
-        directory took is claimed in the local table now, unless its lease was retired
-        meanwhile; one of a connection closed meanwhile still is (the worker is lost,
-        and may say hello again)."""
+        connection was applied; returns its op, its result and the reply line. A claim
+        the directory took is claimed in the local table now, unless its lease was
+        retired meanwhile; one of a connection closed meanwhile still is (the worker is
+        lost, and may say hello again)."""
         if waiting.op == "sync":
-            return "sync", *self._settle_sync(waiting)
+            result, reply = self._settle_sync(waiting)
+            return "sync", result, encode_line(reply)
         if waiting.op == "release":
             return "release", *self._settle_release(waiting, now)
         return "claim", *self._settle_claim(waiting, now)
@@ -397,7 +401,9 @@ class ControlSession:
             return parsed
         assert self.worker is not None
         if self.gate is not None:
-            return self._claim_through_gate(self.worker, *parsed, request.get("id"), now)
+            rid = request.get("id")
+            reply = self._claim_through_gate(self.worker, *parsed, now, request_id=rid)
+            return {"id": rid, "ok": True} if reply is None else reply
         if self._over_claim_cap(self.worker, *parsed):
             return self._too_many(request.get("id"))
         refusal = self.core.claim(self.worker, *parsed, now)
@@ -421,31 +427,50 @@ class ControlSession:
     # -- claims through the claims directory (design §10) ----------------------
 
     def _claim_through_gate(
-        self, worker: Worker, kind: str, key: str, request_id: object, now: float
-    ) -> Reply | WaitingReply:
+        self,
+        worker: Worker,
+        kind: str,
+        key: str,
+        now: float,
+        request_id: object = None,
+        raw_id: bytes = b"",
+    ) -> Reply | WaitingReply | None:
         """A claim with a gate: answered at once from the local table when it knows the
-        key (held by this worker: ok; else its refusal), else waiting for the gate."""
+        key (held by this worker: None, for an ok reply; else its refusal), else
+        waiting for the gate. The id is `raw_id`'s JSON text when given."""
         waiting = self._waiting.get((kind, key))
         if waiting is not None:  # a claim again of a key whose claim waits
-            return self._behind(waiting, "claim", request_id)
+            return self._behind(waiting, "claim", request_id, raw_id)
         claims = self.core.claims
         if claims.lookup(kind, key) is not None:
             refusal = self.core.claim(worker, kind, key, now)
             if refusal is None:
-                return {"id": request_id, "ok": True}
-            return claim_refused(request_id, refusal)
+                return None
+            return claim_refused(_request_id(request_id, raw_id), refusal)
         # The cap counts the claims waiting for the gate: each may become held.
         held = claims.held_count(worker.id) + len(self._waiting)
         if held >= self.policy.max_claims_per_worker:
-            return self._too_many(request_id)
-        waiting = WaitingReply("claim", request_id, worker, ((kind, key),), kind=kind, key=key)
-        self._waiting[kind, key] = waiting
+            return self._too_many(_request_id(request_id, raw_id))
+        pair = (kind, key)
+        waiting = WaitingReply(
+            "claim", request_id, worker, (pair,), kind=kind, key=key, raw_id=raw_id
+        )
+        self._waiting[pair] = waiting
         return waiting
 
-    def _behind(self, leader: WaitingReply, op: str, request_id: object) -> WaitingReply:
+    def _behind(
+        self, leader: WaitingReply, op: str, request_id: object, raw_id: bytes = b""
+    ) -> WaitingReply:
         """A release or claim of the key `leader` claims, applied after it."""
         return WaitingReply(
-            op, request_id, leader.worker, (), kind=leader.kind, key=leader.key, leader=leader
+            op,
+            request_id,
+            leader.worker,
+            (),
+            kind=leader.kind,
+            key=leader.key,
+            leader=leader,
+            raw_id=raw_id,
         )
 
     def _released(self, kind: str, key: str) -> None:
@@ -453,8 +478,8 @@ class ControlSession:
         if self.gate is not None:
             self.gate.released(kind, key)
 
-    def _settle_claim(self, waiting: WaitingReply, now: float) -> tuple[str, Reply]:
-        kind, key, rid = waiting.kind, waiting.key, waiting.request_id
+    def _settle_claim(self, waiting: WaitingReply, now: float) -> tuple[str, bytes]:
+        kind, key = waiting.kind, waiting.key
         if self._waiting.get((kind, key)) is waiting:
             del self._waiting[kind, key]
         leader = waiting.leader
@@ -464,28 +489,33 @@ class ControlSession:
                 # Written for a lease that is gone: the record must not stay held for a
                 # claim no worker was told of.
                 self._released(kind, key)
-            return "no_hello", lease_ended(rid)
+            return "no_hello", encode_line(lease_ended(waiting.request_id))
         if leader is None or self.core.claims.lookup(kind, key) is None:
             if not isinstance(answer, tuple):
-                return "directory_unavailable", directory_unavailable(rid)
+                return "directory_unavailable", encode_line(
+                    directory_unavailable(waiting.request_id)
+                )
             outcome = answer[0]
             if outcome.verdict is not _CLAIMED:
-                return outcome.verdict.value, directory_refusal(rid, outcome)
+                return outcome.verdict.value, encode_line(
+                    directory_refusal(waiting.request_id, outcome)
+                )
         # The directory holds it for this router: the local table decides between its
         # workers (another may have claimed it while this one waited).
         refusal = self.core.claim(waiting.worker, kind, key, now)
         if refusal is None:
-            return "ok", {"id": rid, "ok": True}
-        return refusal.error, claim_refused(rid, refusal)
+            return "ok", waiting.ok_line()
+        return refusal.error, encode_line(claim_refused(waiting.request_id, refusal))
 
-    def _settle_release(self, waiting: WaitingReply, now: float) -> tuple[str, Reply]:
-        rid = waiting.request_id
+    def _settle_release(self, waiting: WaitingReply, now: float) -> tuple[str, bytes]:
         if not waiting.lease_current():
-            return "no_hello", error_reply(rid, "no_hello", "Say hello first.")
+            return "no_hello", encode_line(
+                error_reply(waiting.request_id, "no_hello", "Say hello first.")
+            )
         if self.core.release(waiting.worker, waiting.kind, waiting.key, now):
             self._released(waiting.kind, waiting.key)
-            return "ok", {"id": rid, "ok": True}
-        return "not_holder", not_holder(rid)
+            return "ok", waiting.ok_line()
+        return "not_holder", encode_line(not_holder(waiting.request_id))
 
     def _settle_sync(self, waiting: WaitingReply) -> tuple[str, Reply]:
         rid, answer = waiting.request_id, waiting.answer

@@ -11,11 +11,13 @@ the outcome, `ControlConnection` asks the gate and writes the replies in order.
 
 from __future__ import annotations
 
+import json
+
 from router.control.refusals import SyncRefusals
 from router.core import Worker, WorkerState
 from router.directory.errors import DirectoryError
 from router.directory.records import ClaimOutcome, ClaimVerdict
-from router.protocol import Reply, error_reply
+from router.protocol import Reply, encode_line, error_reply
 
 __all__ = [
     "MAX_WAITING_REPLIES",
@@ -46,9 +48,13 @@ class WaitingReply:
     same key: a release, or a claim again, of a key whose claim waits). `answer` is
     set once the gate answered. The session applies it (`ControlSession.settle`) when
     every reply before it is out: the local table changes in request order per key.
+
+    A line of the fast path keeps its id as the line's own bytes (`raw_id`, its JSON
+    text): its ok reply is written from them, and the id is decoded only for a refusal.
     """
 
     __slots__ = (
+        "_request_id",
         "accepted",
         "answer",
         "asks",
@@ -57,8 +63,8 @@ class WaitingReply:
         "kind",
         "leader",
         "op",
+        "raw_id",
         "refusals",
-        "request_id",
         "worker",
     )
 
@@ -72,9 +78,11 @@ class WaitingReply:
         kind: str = "",
         key: str = "",
         leader: WaitingReply | None = None,
+        raw_id: bytes = b"",
     ) -> None:
         self.op = op
-        self.request_id = request_id
+        self._request_id = request_id
+        self.raw_id = raw_id  # the id's JSON text when it came from the fast path, or b""
         self.worker = worker
         # A lease retired meanwhile (bye, exit) or taken by a new process bumps this:
         # the waiting claim is then not applied.
@@ -87,6 +95,19 @@ class WaitingReply:
         # A sync's reply so far: its refusals and how many the local table accepted.
         self.refusals: SyncRefusals | None = None
         self.accepted = 0
+
+    @property
+    def request_id(self) -> object:
+        """The request's id (decoded from `raw_id` when the line gave its bytes)."""
+        raw = self.raw_id
+        return json.loads(raw) if raw else self._request_id
+
+    def ok_line(self) -> bytes:
+        """The reply line `{"id": ..., "ok": true}` to this request."""
+        raw = self.raw_id
+        if raw:
+            return b'{"id":' + raw + b',"ok":true}\n'
+        return encode_line({"id": self._request_id, "ok": True})
 
     @property
     def ready(self) -> bool:

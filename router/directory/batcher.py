@@ -3,6 +3,9 @@
 `ask(key)` queues the key and schedules a flush with `call_soon`, which runs after
 every callback already ready in this turn of the loop: concurrent callers that ask in
 the same turn go out together (`router/directory/batching.py` keeps them, in slices).
+`ask_each(keys)` does the same for many keys at once, with one future for them all
+rather than one a key: the claims of one control read (hundreds, from a pipelining
+worker) cost one future, not a task, a coroutine and a future each.
 
 Deadlines: every caller of a batch asked within one loop turn, so one deadline serves
 them all, counted from the first of them: the batch's call gets what is left of it,
@@ -16,7 +19,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from functools import partial
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 from router.directory.batching import DEFAULT_BATCH_LIMIT, PendingBatch
 from router.directory.errors import DirectoryReplyError, DirectoryUnavailable
@@ -25,9 +28,32 @@ K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")
 
 
+class _Gathered(Generic[R]):
+    """The answers of one `ask_each` call, filled in as the batches of its keys answer
+    (its keys may span several script calls): its future is set once all are in."""
+
+    __slots__ = ("answers", "left", "waiter")
+
+    def __init__(self, count: int, waiter: asyncio.Future[list[R | Exception]]) -> None:
+        self.answers: list[R | Exception | None] = [None] * count
+        self.left = count
+        self.waiter = waiter
+
+    def give(self, index: int, answer: R | Exception) -> None:
+        self.answers[index] = answer
+        self.left -= 1
+        if not self.left and not self.waiter.done():  # a caller that gave up cancelled it
+            self.waiter.set_result(cast("list[R | Exception]", self.answers))
+
+
+# Who waits for a key's answer: one `ask` caller's future, or one key of an `ask_each`.
+_Waiter = asyncio.Future[R] | tuple[_Gathered[R], int]
+
+
 class Batcher(Generic[K, R]):
-    """Batches `ask(key)` calls into `send(keys, seconds_left)` calls of at most
-    `limit` keys; `send` must end within `seconds_left` (raising on its own)."""
+    """Batches `ask(key)` and `ask_each(keys)` calls into `send(keys, seconds_left)`
+    calls of at most `limit` keys; `send` must end within `seconds_left` (raising on
+    its own)."""
 
     __slots__ = ("_deadline_s", "_first_at", "_limit", "_name", "_pending", "_send", "_tasks")
 
@@ -42,7 +68,7 @@ class Batcher(Generic[K, R]):
         self._send = send
         self._deadline_s = deadline_s
         self._limit = limit
-        self._pending: PendingBatch[K, asyncio.Future[R]] = PendingBatch()
+        self._pending: PendingBatch[K, _Waiter[R]] = PendingBatch()
         self._tasks: set[asyncio.Task[None]] = set()  # referenced until done
         self._first_at = 0.0  # loop time of the first ask since the last flush
 
@@ -54,6 +80,24 @@ class Batcher(Generic[K, R]):
         if self._pending.add(key, waiter):
             self._first_at = loop.time()
             loop.call_soon(self._flush)
+        return await waiter
+
+    async def ask_each(self, keys: Sequence[K]) -> list[R | Exception]:
+        """The answer for each of `keys`, in order, from the next batches (as `ask`
+        would give them, with the other callers of this loop turn): each its result,
+        or the error its batch's call raised. Never raises for a batch's failure."""
+        if not keys:
+            return []
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[list[R | Exception]] = loop.create_future()
+        gathered = _Gathered(len(keys), waiter)
+        pending = self._pending
+        if not pending:
+            self._first_at = loop.time()
+            loop.call_soon(self._flush)
+        add = pending.add
+        for index, key in enumerate(keys):
+            add(key, (gathered, index))
         return await waiter
 
     def _flush(self) -> None:
@@ -68,7 +112,7 @@ class Batcher(Generic[K, R]):
             task.add_done_callback(partial(_fail_the_rest, waiters, self._name))
 
     async def _answer(
-        self, keys: list[K], waiters: list[list[asyncio.Future[R]]], deadline_at: float
+        self, keys: list[K], waiters: list[list[_Waiter[R]]], deadline_at: float
     ) -> None:
         try:
             left = max(deadline_at - asyncio.get_running_loop().time(), 0.0)
@@ -80,7 +124,10 @@ class Batcher(Generic[K, R]):
             return
         for result, each in zip(results, waiters, strict=True):
             for waiter in each:
-                if not waiter.done():  # a caller that gave up cancelled its own
+                if isinstance(waiter, tuple):
+                    gathered, index = waiter
+                    gathered.give(index, result)
+                elif not waiter.done():  # a caller that gave up cancelled its own
                     waiter.set_result(result)
 
     async def close(self) -> None:
@@ -89,16 +136,17 @@ class Batcher(Generic[K, R]):
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def _fail(waiters: list[list[asyncio.Future[R]]], error: BaseException) -> None:
+def _fail(waiters: list[list[_Waiter[R]]], error: Exception) -> None:
     for each in waiters:
         for waiter in each:
-            if not waiter.done():
+            if isinstance(waiter, tuple):
+                gathered, index = waiter
+                gathered.give(index, error)
+            elif not waiter.done():
                 waiter.set_exception(error)
 
 
-def _fail_the_rest(
-    waiters: list[list[asyncio.Future[R]]], name: str, task: asyncio.Task[None]
-) -> None:
+def _fail_the_rest(waiters: list[list[_Waiter[R]]], name: str, task: asyncio.Task[None]) -> None:
     # Only a cancelled task leaves waiters unanswered (`_answer` answers every one
     # otherwise): walking them all after every batch cost more than the batch's decoding.
     if task.cancelled():

@@ -137,6 +137,16 @@ class Directory:
         """Release one key, batched with the other releases of this loop turn."""
         return await self._releases.ask((kind, key))
 
+    async def claim_each(self, keys: Sequence[SessionKey]) -> list[ClaimOutcome | Exception]:
+        """Claim `keys`, batched with the other claims of this loop turn (as many script
+        calls as the batch limit cuts them into): each key's outcome, or the error that
+        kept its script call from answering (a DirectoryError). Never raises for it."""
+        return await self._claims.ask_each(keys)
+
+    async def release_each(self, keys: Sequence[SessionKey]) -> list[ReleaseVerdict | Exception]:
+        """Release `keys` as `claim_each` claims them: each key's verdict, or its error."""
+        return await self._releases.ask_each(keys)
+
     async def retire(self, reason: str = "retired") -> None:
         """Write this incarnation's death certificate (SIGTERM, or once fenced): its
         keys answer `dead` at once; then give its records their tombstone TTL, a chunk

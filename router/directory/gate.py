@@ -1,13 +1,15 @@
 """What the control socket and the learner need of the directory (design §10, "Writes and
 fencing"): a claim acknowledged only once the directory holds its owner record, a release
-written after. Pure: a Protocol the router's fleet link (router.fleet) implements; a
+written after. Pure: Protocols the router's fleet link (router.fleet) implements; a
 router without a `directory:` section has none, and claims are the local table's alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
+from router.directory.errors import DirectoryError
 from router.directory.records import ClaimOutcome
 
 
@@ -22,5 +24,18 @@ class ClaimGate(Protocol):
 
     def released(self, kind: str, key: str) -> None:
         """The local table ended `key`: mark its record ended, in the background (the
-        local table stays the authority; a record still held answers from it)."""
+        local table stays the authority; a record still held answers from it). The
+        releases of one loop turn may go out together."""
+        ...
+
+
+class BatchClaimGate(ClaimGate, Protocol):
+    """A `ClaimGate` that also takes many claims in one call: the control socket's,
+    where a pipelining worker's read carries hundreds of them."""
+
+    async def claim_each(
+        self, keys: Sequence[tuple[str, str]]
+    ) -> Sequence[ClaimOutcome | DirectoryError]:
+        """`claim` for each of `keys` at once, in order: each key's outcome, or the
+        DirectoryError that kept it from being written in time. Never raises that."""
         ...

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -22,7 +22,14 @@ from redis.asyncio import Redis
 from router.control.server import ControlServer
 from router.control.session import ControlPolicy
 from router.core.machine import CoreSettings, RouterCore
-from router.directory import ClaimOutcome, ClaimVerdict, Directory, DirectoryTimeout
+from router.directory import (
+    ClaimOutcome,
+    ClaimVerdict,
+    Directory,
+    DirectoryError,
+    DirectoryTimeout,
+)
+from router.fleet.link import FleetLink
 from tests.directory.conftest import RedisServer, directory_for, redis_client, redis_server
 from tests.router_fixtures import RawLease, wait_until
 
@@ -35,18 +42,30 @@ CLAIMED = ClaimOutcome(ClaimVerdict.CLAIMED)
 
 
 class HeldGate:
-    """A ClaimGate whose claims wait until the test answers them."""
+    """A BatchClaimGate whose claims wait until the test answers them."""
 
     def __init__(self) -> None:
         self.asked: list[tuple[str, str]] = []
+        self.calls: list[list[tuple[str, str]]] = []  # the keys of each call, in order
         self.waiting: dict[tuple[str, str], asyncio.Future[ClaimOutcome]] = {}
         self.released_keys: list[tuple[str, str]] = []
 
     async def claim(self, kind: str, key: str) -> ClaimOutcome:
+        self.calls.append([(kind, key)])
+        return await self._held(kind, key)
+
+    async def claim_each(
+        self, keys: Sequence[tuple[str, str]]
+    ) -> list[ClaimOutcome | DirectoryError]:
+        self.calls.append(list(keys))
+        held = [self._held(kind, key) for kind, key in keys]
+        return list(await asyncio.gather(*held, return_exceptions=True))  # type: ignore[arg-type]
+
+    def _held(self, kind: str, key: str) -> asyncio.Future[ClaimOutcome]:
         self.asked.append((kind, key))
         answer = asyncio.get_running_loop().create_future()
         self.waiting[kind, key] = answer
-        return await answer
+        return answer
 
     def released(self, kind: str, key: str) -> None:
         self.released_keys.append((kind, key))
@@ -60,7 +79,7 @@ class HeldGate:
 
 
 class DirectoryGate:
-    """The ClaimGate on a real Directory (as the fleet link will be)."""
+    """The BatchClaimGate on a real Directory (as the fleet link is)."""
 
     def __init__(self, directory: Directory) -> None:
         self.directory = directory
@@ -68,6 +87,13 @@ class DirectoryGate:
 
     async def claim(self, kind: str, key: str) -> ClaimOutcome:
         return await self.directory.claim_one(kind, key)
+
+    async def claim_each(
+        self, keys: Sequence[tuple[str, str]]
+    ) -> list[ClaimOutcome | DirectoryError]:
+        answers = await self.directory.claim_each(keys)
+        assert all(isinstance(a, (ClaimOutcome, DirectoryError)) for a in answers)
+        return answers  # type: ignore[return-value]
 
     def released(self, kind: str, key: str) -> None:
         task = asyncio.get_running_loop().create_task(self.directory.release_one(kind, key))
@@ -157,6 +183,61 @@ async def test_replies_keep_request_order_while_a_claim_waits(tmp_path: Path) ->
         ]
         assert "another router" in replies[0]["detail"].lower()
         assert {c.key for c in core.claims.held()} == {"known", "new2"}
+        lease.abort()
+
+
+async def test_the_claims_of_one_read_go_to_the_gate_in_one_call(tmp_path: Path) -> None:
+    gate = HeldGate()
+    async with served(tmp_path, gate) as (core, address):
+        lease = await _leased(address)
+        lease.writer.write(
+            _lines(
+                b'{"op":"claim","id":1,"key":"k1"}',
+                b'{"op":"release","id":2,"key":"k1"}',  # behind its claim: asks nothing
+                b'{"op":"claim","key":"k2","kind":"episode","id":3}',
+                b'{"op": "claim", "id": 4, "key": "k3"}',  # the general path
+                b'{"op":"ping","id":5}',
+                b'{"op":"claim","id":6,"key":"k4"}',
+            )
+        )
+        keys = ["k1", "k2", "k3", "k4"]
+        await _asked(gate, len(keys))
+        assert gate.calls == [[("episode", key) for key in keys]]
+        for key in keys:
+            gate.answer(key)
+
+        replies = [await lease.read_reply() for _ in range(6)]
+
+        assert [(r["id"], r["ok"]) for r in replies] == [(i, True) for i in range(1, 7)]
+        assert {c.key for c in core.claims.held()} == {"k2", "k3", "k4"}
+        lease.abort()
+
+
+async def test_waiting_replies_keep_their_ids_as_sent(tmp_path: Path) -> None:
+    gate = HeldGate()
+    async with served(tmp_path, gate) as (_core, address):
+        lease = await _leased(address)
+        lease.writer.write(
+            _lines(
+                b'{"op":"claim","id":"a b","key":"k1"}',
+                b'{"op":"release","id":-7,"key":"k1"}',
+                b'{"op":"claim","id":"c","key":"k2"}',
+                b'{"op":"claim","id":0,"key":"k3"}',
+            )
+        )
+        await _asked(gate, 3)
+        gate.answer("k1")
+        gate.answer("k2", ClaimOutcome(ClaimVerdict.CONFLICT, holder="r2"))
+        gate.answer("k3", DirectoryTimeout("late"))
+
+        replies = [await lease.read_reply() for _ in range(4)]
+
+        assert [(r["id"], r["ok"], r.get("error")) for r in replies] == [
+            ("a b", True, None),
+            (-7, True, None),
+            ("c", False, "conflict"),
+            (0, False, "directory_unavailable"),
+        ]
         lease.abort()
 
 
@@ -339,6 +420,49 @@ async def test_a_paused_redis_gives_directory_unavailable_in_time_and_the_rest_a
             (3, None),
         ]
         assert waited < 0.5 + 1.0  # the claim timeout, and a margin for a loaded machine
+        lease.abort()
+
+
+async def test_pairs_through_the_fleet_link_make_one_directory_call_a_read(
+    tmp_path: Path, redis_client: Redis, redis_server: RedisServer
+) -> None:
+    directory = await directory_for(redis_client, "r1")
+    claimed: list[int] = []
+    released: list[int] = []
+    claim_each, release_each = directory.claim_each, directory.release_each
+
+    async def counted_claims(keys: Sequence[tuple[str, str]]) -> list[ClaimOutcome | Exception]:
+        claimed.append(len(keys))
+        return await claim_each(keys)
+
+    async def counted_releases(keys: Sequence[tuple[str, str]]) -> list[object]:
+        released.append(len(keys))
+        return list(await release_each(keys))
+
+    directory.claim_each = counted_claims  # type: ignore[method-assign]
+    directory.release_each = counted_releases  # type: ignore[method-assign]
+    link = FleetLink(directory, RouterCore(CoreSettings(kinds={"episode": False}), 0.0))
+    pairs = 300
+    async with served(tmp_path, link) as (core, address):
+        lease = await _leased(address)
+        lease.writer.write(
+            b"".join(
+                b'{"op":"claim","id":%d,"key":"p%d"}\n{"op":"release","id":%d,"key":"p%d"}\n'
+                % (2 * i, i, 2 * i + 1, i)
+                for i in range(pairs)
+            )
+        )
+        replies = [await lease.read_reply() for _ in range(2 * pairs)]
+        await asyncio.sleep(0)  # the releases of the last turn go out
+        await asyncio.gather(*link._tasks)
+
+        assert all(r["ok"] for r in replies)
+        assert core.claims.held_total == 0
+        # One call a read for the claims, one a loop turn for the releases: a few, not 300.
+        assert sum(claimed) == sum(released) == pairs
+        assert len(claimed) <= 10 and len(released) <= 10
+        owner = directory.layout.owner("episode", f"p{pairs - 1}")
+        assert await redis_client.hget(owner, "s") == "e"  # type: ignore[misc]
         lease.abort()
 
 

@@ -37,3 +37,21 @@ async def test_the_control_socket_benchmark_measures_pairs_through_the_directory
     # redis-server's CPU is read in clock ticks: 500 pairs may take less than one.
     assert figures.cpu_us_per_pair > 0 and figures.redis_cpu_us_per_pair >= 0
     assert len(figures.directory_rounds) == len(figures.local_rounds) == 1
+    assert figures.collector == "router" and len(figures.cpu_us_rounds) == 1
+
+
+def test_the_control_socket_benchmark_puts_the_collector_back_as_it_was() -> None:
+    import gc
+
+    from bench.control_directory import collector_as
+    from router.service.process import GC_GEN0_THRESHOLD
+
+    before, frozen = gc.get_threshold(), gc.get_freeze_count()
+    with collector_as("router"):
+        assert gc.get_threshold()[0] == GC_GEN0_THRESHOLD
+        assert gc.get_freeze_count() > 0
+    assert gc.get_threshold() == before
+    if not frozen:
+        assert gc.get_freeze_count() == 0
+    with collector_as("default"):
+        assert gc.get_threshold() == before
