@@ -53,6 +53,10 @@ HELD: Final = ClaimState.HELD
 NOT_OWNER_BODY_BYTES: Final = 1024
 # Peer addresses whose upstreams are kept: far more than a fleet has routers.
 MAX_KEPT_PEERS: Final = 1024
+# What one peer hop came to (PublicHandler._hop).
+_RELAYED: Final = "relayed"
+_NOT_OWNER: Final = "not_owner"
+_UNREACHED: Final = "unreached"
 MAX_SESSIONLESS_TRIES: Final = 3  # a sessionless request nothing of which reached a worker
 # A Final name: the compiled build keeps it in a C variable, where an imported name is
 # looked up in the module's dict at each call (three times a request).
@@ -311,20 +315,35 @@ class PublicHandler(ExchangeOwner):
     ) -> None:
         """The hop to the router that holds `key`. A peer that answers 421 `not_owner`
         (it registered again since the lookup) is never relayed: the client gets 503
-        `recovering`, and its retry's lookup finds the key's new owner, or that it is dead.
-        """
-        if not await self._hop(exchange, kind, key, found):
-            fleet = self.fleet
-            assert fleet is not None
+        `recovering`, and its retry's lookup finds the key's new owner, or that it is
+        dead. A cached answer whose owner cannot be reached is asked of the directory
+        once more (nothing was sent): its owner may have stopped since, and the key
+        is 410 already."""
+        fleet = self.fleet
+        assert fleet is not None
+        hop = await self._hop(exchange, kind, key, found)
+        if hop == _UNREACHED and found.cached:
+            found = await fleet.lookup(kind, key)  # the cached answer was dropped
+            if found.meaning is RequestMeaning.PEER:
+                hop = await self._hop(exchange, kind, key, found)
+            else:
+                mcp = kind in self.core.settings.mcp_kinds
+                answer = answer_for(found.meaning, key, mcp)
+                exchange.answer(answer if answer is not None else owner_unreachable(key))
+                return
+        if hop == _UNREACHED:
+            fleet.counts.peer_forward("owner_unreachable")
+            exchange.answer(owner_unreachable(key))
+        elif hop == _NOT_OWNER:
             fleet.counts.peer_forward("not_owner")
-            fleet.forget(kind, key)
             exchange.answer(owner_restarted(key))
 
-    async def _hop(self, exchange: Exchange, kind: str, key: str, found: Lookup) -> bool:
-        """One hop to the router that holds `key`, signed; its answer relayed as it is,
-        but for its 421 `not_owner` (False: nothing was relayed). A peer that cannot be
-        reached (nothing of the request sent) is 503 `owner_unreachable` until its lease
-        lapses."""
+    async def _hop(self, exchange: Exchange, kind: str, key: str, found: Lookup) -> str:
+        """One hop to the router that holds `key`, signed; its answer relayed as it is
+        (`_RELAYED`, a failure after the request went out included), but for its 421
+        `not_owner` (`_NOT_OWNER`) and a peer that could not be reached, nothing of the
+        request sent (`_UNREACHED`): nothing relayed for those two, and the answer that
+        named that peer dropped from the lookup cache."""
         fleet = self.fleet
         assert fleet is not None and found.result is not None and found.result.peer
         request = exchange.request
@@ -350,15 +369,13 @@ class PublicHandler(ExchangeOwner):
             )
         except UpstreamFailure as raised:
             failure = as_value(raised)
-            if failure.kind == "directory":  # NotOwnerWatch held a 421 not_owner back
-                return False
             if exchange.failed_by_client(failure):
-                return True
+                return _RELAYED
             fleet.forget(kind, key)  # the retry asks the directory again
+            if failure.kind == "directory":  # NotOwnerWatch held a 421 not_owner back
+                return _NOT_OWNER
             if not failure.request_sent:
-                counts.peer_forward("owner_unreachable")
-                exchange.answer(owner_unreachable(key))
-                return True
+                return _UNREACHED
             counts.peer_forward("failed")
             if failure.kind == "timeout":
                 exchange.answer(
@@ -368,9 +385,9 @@ class PublicHandler(ExchangeOwner):
                 exchange.answer(
                     Answer("upstream_error", f"The owner failed: {failure.detail}", key)
                 )
-            return True
+            return _RELAYED
         counts.peer_forward("forwarded")
-        return True
+        return _RELAYED
 
     def _peer_upstream(self, address: str) -> Upstream:
         """The peer listener at `address` as the relay pools it (one pool per peer)."""

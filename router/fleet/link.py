@@ -84,6 +84,7 @@ class Lookup:
 
     meaning: RequestMeaning
     result: LookupResult | None = None
+    cached: bool = False  # from the lookup cache, not asked of the directory just now
 
     @property
     def receiver(self) -> str:
@@ -360,7 +361,7 @@ class FleetLink:
         if found.result.state is LookupState.HELD and meaning is not RequestMeaning.PEER:
             return None  # ours, of this incarnation or one before: the directory says
         self._count_lookup(meaning)
-        return Lookup(meaning, found.result)
+        return Lookup(meaning, found.result, cached=True)
 
     def forget(self, kind: str, key: str) -> None:
         """A hop to the owner a lookup named failed: that answer is not given again."""
