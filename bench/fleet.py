@@ -97,6 +97,13 @@ class Settings:
     serial_requests: int = 3000
     serial_warmup: int = 300
     cold_requests: int = 2000  # fresh absent tokens per cold-miss sample
+    # Fresh absent tokens for the cold misses under load (each asked once: more than the
+    # closed-loop run answers, else the load wraps onto cached answers, which is counted).
+    cold_load_tokens: int = 40_000
+    # A's episodes the forwarded requests rotate over: a pass over them takes well under
+    # a lease (about 1.5 ms a forwarded serial request here), so an episode's later
+    # calls find its owner's answer cached, as a rollout's calls do.
+    forward_tokens: int = 1024
     lease_s: float = 10.0
     lookup_timeout_ms: int = 50
     kill_rounds: int = 1
@@ -112,6 +119,8 @@ class Settings:
             serial_requests=200,
             serial_warmup=20,
             cold_requests=100,
+            cold_load_tokens=3000,
+            forward_tokens=64,
             lease_s=2.0,
             lookup_timeout_ms=500,
         )
@@ -446,6 +455,7 @@ class FleetBench:
         self.statuses: dict[str, Counter[int]] = {}
         self.commands: Counter[str] = Counter()  # non-background commands during load runs
         self._cold_count = 0
+        self.last_requests = 0  # answered in the last closed-loop sample
 
     def start(self, say: Callable[[str], None]) -> None:
         s = self.settings
@@ -495,6 +505,7 @@ class FleetBench:
                 self.commands[f"{router} {tokens_name}: {name}"] += n
         if not result.requests:
             raise RuntimeError(f"no request answered by {router} on {tokens_name}")
+        self.last_requests = result.requests
         return used / result.requests * 1e6, result.rps, commands
 
     def check_statuses(self, router: str, name: str, tokens: Sequence[str]) -> Counter[int]:
@@ -525,6 +536,7 @@ class FleetBench:
                 f"{name} warm commands", commands / max(1.0, rps_a * self.settings.load_s)
             )
         self.cold_misses()
+        self.cold_misses_under_load()
 
     def cold_misses(self) -> None:
         """Fresh absent tokens, one serial request each: every one a lookup on A; the same
@@ -545,15 +557,41 @@ class FleetBench:
         self.samples.add("cold commands", sent(figures["A"][1]) / count)
         self.samples.add("cold lookups", figures["A"][1]["lookup"] / count)
 
+    def cold_misses_under_load(self) -> None:
+        """Fresh absent tokens under closed-loop load: the lookups of one loop turn go
+        out in one script call, so the round trip's cost is shared. L gets as many
+        fresh tokens of its own (each router checks each token once)."""
+        figures = {}
+        for router in ("L", "A"):
+            self._cold_count += 1
+            fresh = mint_episodes(self.settings.cold_load_tokens, 1, "c", f"cl-{self._cold_count}")
+            tokens = [e.token for e in fresh]
+            name = f"cold-load-{self._cold_count}"
+            before_log = self.log.snapshot()
+            cpu, _, _ = self.closed_sample(router, name, tokens)
+            counts = self.log.snapshot() - before_log
+            figures[router] = (cpu, counts)
+        answered = self.last_requests
+        self.samples.add("cold load added", figures["A"][0] - figures["L"][0])
+        lookups = figures["A"][1]["lookup"]
+        self.samples.add("cold load keys per lookup", answered / max(1, lookups))
+        self.samples.add("cold load wrapped", max(0, answered - len(tokens)) / max(1, answered))
+
     def forwarded(self) -> None:
+        """Serial requests for A's episodes, straight to A's worker, via A, and via B
+        (forwarded to A). The episodes are the first `forward_tokens` of A's set, each
+        asked once through A and B before the timed requests (an episode's first call
+        on a router looks its owner up; its later calls within the owner's lease are
+        answered from the lookup cache): `first_forward` times those first calls."""
         s = self.settings
         count = s.serial_requests + s.serial_warmup
-        tokens = [e.token for e in self.held]
+        tokens = [e.token for e in self.held[: s.forward_tokens]]
         worker_port = self.sets["A"].workers[0].port
         own = [load.build_request(t, worker_port) for t in tokens]
         p50s = {}
         ns, _ = serial_statuses(worker_port, own, count)
         p50s["worker"] = load.percentile(sorted(ns[s.serial_warmup :]), 0.5) / 1000
+        self.first_forward(tokens)
         cpu = {}
         for via in ("A", "B"):
             requests = [load.build_request(t, self.port(via)) for t in tokens]
@@ -571,6 +609,21 @@ class FleetBench:
         self.samples.add("direct serial cpu", cpu["A"])
         self.samples.add("forwarded serial cpu", cpu["B"])
         self.samples.add("forwarded cpu ratio", ratio(cpu["B"], cpu["A"]))
+
+    def first_forward(self, tokens: Sequence[str]) -> None:
+        """Each episode's first call through B (its owner looked up), one pass over
+        `tokens`; the same pass through A first, so A's side is as warm for both."""
+        cpu = {}
+        for via in ("A", "B"):
+            requests = [load.build_request(t, self.port(via)) for t in tokens]
+            before, before_log = self.cpu("A", "B"), self.log.snapshot()
+            _, statuses = serial_statuses(self.port(via), requests, len(requests))
+            cpu[via] = (self.cpu("A", "B") - before) / len(requests) * 1e6
+            self.statuses[f"{via} first call"] = statuses
+            if via == "B":
+                lookups = (self.log.snapshot() - before_log)["lookup"]
+                self.samples.add("first forward lookups", lookups / len(requests))
+        self.samples.add("first forward cpu ratio", ratio(cpu["B"], cpu["A"]))
 
     def two_routers(self) -> None:
         s = self.settings
@@ -668,6 +721,12 @@ def rows_of(bench: FleetBench, full: bool) -> list[Row]:
         Row("2", "absent key, first ask: lookups (EVALSHA) per request", m("cold lookups"), "",
             "<= 1", judged(m("cold lookups"), lambda v: v <= 1.0)),
         Row("2", "absent key, first ask: Redis commands per request", m("cold commands"), ""),
+        Row("2", "absent key, first ask under load (batched): CPU added over L's",
+            m("cold load added"), "us", "<= 10", judged(m("cold load added"), lambda v: v <= 10)),
+        Row("2", "absent key, first ask under load: requests per lookup call",
+            m("cold load keys per lookup"), ""),
+        Row("2", "absent key, first ask under load: share of requests on wrapped tokens",
+            m("cold load wrapped"), "", "0", None, "cached answers, if the load wrapped"),
         Row("3", "via A (direct hop): added p50", m("direct added p50"), "us"),
         Row("3", "via B (forwarded to A): added p50", m("forwarded added p50"), "us"),
         Row("3", "forwarded / direct, added p50", m("forwarded p50 ratio"), "x", "<= 2.2",
@@ -678,6 +737,10 @@ def rows_of(bench: FleetBench, full: bool) -> list[Row]:
         Row("3", "direct: Redis lookups per request (on A)", m("A serial lookups"), ""),
         Row("3", "forwarded / direct, CPU per request", m("forwarded cpu ratio"), "x", "<= 2.2",
             judged(m("forwarded cpu ratio"), lambda v: v <= 2.2)),
+        Row("3", "an episode's first call via B: lookups per request", m("first forward lookups"),
+            ""),
+        Row("3", "an episode's first call, forwarded / direct, CPU per request",
+            m("first forward cpu ratio"), "x"),
         Row("4", "one router (A): requests/s", m("one router rps"), "rps"),
         Row("4", "two routers (A + B, split load): requests/s", m("two routers rps"), "rps"),
         Row("4", "two / one, requests/s", ratio(m("two routers rps"), m("one router rps")), "x"),
