@@ -1,11 +1,12 @@
 """The forwarding hot path in one process: CPU microseconds the router adds per request.
 
-`python -m bench.hotpath [--requests N] [--connections C] [--profile FILE]`
+`python -m bench.hotpath [--requests N] [--connections C] [--episodes E] [--profile FILE]`
 
 A real `RouterService` (public server, core, relay, metrics), a trivial worker (an
 asyncio protocol that answers every request with fixed bytes, registered over the
 control socket) and closed-loop clients (C keep-alive connections, each sending its
-next request when its reply is in) share one uvloop loop on loopback. The process's
+next request when its reply is in, the requests rotating over E claimed episodes' tokens)
+share one uvloop loop on loopback. The process's
 CPU time for N requests through the router, minus its CPU time for N requests sent to
 the worker directly, divided by N, is what the router costs per request: user code and
 system calls alike, on one core, with no other process in the measurement, so it moves
@@ -45,7 +46,7 @@ WORKER_REPLY = (
     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 16\r\n\r\n"
     b'{"result": "ok"}'
 )
-EPISODES = 64
+EPISODES = 64  # the default; the profile-guided build trains on it (setup.py)
 RUN_LIMIT_S = 120.0  # a run that takes longer than this failed
 
 
@@ -67,13 +68,32 @@ class _Worker(asyncio.Protocol):
             self._transport.write(WORKER_REPLY)
 
 
+class _Rotation:
+    """The requests every connection takes its next one from, in turn: the connections
+    together rotate over all the episodes, as wrk's script does, whatever the count per
+    connection (each cycling a list of its own from the start would reach only its first
+    `count` episodes)."""
+
+    __slots__ = ("_next", "_requests")
+
+    def __init__(self, requests: list[bytes]) -> None:
+        if not requests:
+            raise ValueError("no requests to rotate over")
+        self._requests = requests
+        self._next = 0
+
+    def take(self) -> bytes:
+        request = self._requests[self._next]
+        self._next = (self._next + 1) % len(self._requests)
+        return request
+
+
 class _Client(asyncio.Protocol):
     """Sends its requests one after another on one connection, each after the last reply."""
 
-    def __init__(self, requests: list[bytes], count: int, done: asyncio.Future[None]) -> None:
+    def __init__(self, requests: _Rotation, count: int, done: asyncio.Future[None]) -> None:
         self._requests = requests
         self._left = count
-        self._sent = 0
         self._done = done
         self._parser = HttpResponseParser(self)
         self._transport: asyncio.Transport | None = None
@@ -101,8 +121,7 @@ class _Client(asyncio.Protocol):
 
     def _send(self) -> None:
         assert self._transport is not None
-        self._transport.write(self._requests[self._sent % len(self._requests)])
-        self._sent += 1
+        self._transport.write(self._requests.take())
 
     def _finish(self, error: Exception | None) -> None:
         if not self._done.done():
@@ -114,7 +133,7 @@ class _Client(asyncio.Protocol):
             self._transport.close()
 
 
-async def _drive(port: int, requests: list[bytes], total: int, connections: int) -> float:
+async def _drive(port: int, requests: _Rotation, total: int, connections: int) -> float:
     """CPU seconds of this process while `total` requests are answered."""
     loop = asyncio.get_running_loop()
     per_connection = total // connections
@@ -142,6 +161,7 @@ async def measure(
     folder: Path,
     profile: cProfile.Profile | None = None,
     only: str | None = None,
+    episode_count: int = EPISODES,
 ) -> HotPathResult:
     loop = asyncio.get_running_loop()
     worker_server = await loop.create_server(_Worker, "127.0.0.1", 0)
@@ -161,11 +181,11 @@ async def measure(
     )
     try:
         await client.start()
-        episodes = mint_episodes(EPISODES, 1)
+        episodes = mint_episodes(episode_count, 1)
         for episode in episodes:
             await client.claim(episode.key)
-        routed = [build_request(e.token, service.public_port) for e in episodes]
-        direct = [build_request(e.token, worker_port) for e in episodes]
+        routed = _Rotation([build_request(e.token, service.public_port) for e in episodes])
+        direct = _Rotation([build_request(e.token, worker_port) for e in episodes])
         warmup = max(requests // 10, connections)
         direct_s = routed_s = 0.0
         if only != "routed":
@@ -191,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.hotpath", description=__doc__)
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--connections", type=int, default=16)
+    parser.add_argument(
+        "--episodes",
+        type=int,
+        default=EPISODES,
+        help="live episodes claimed, their tokens rotated over (default %(default)s)",
+    )
     parser.add_argument("--runs", type=int, default=3, help="report the best of this many")
     parser.add_argument("--profile", type=Path, help="write a cProfile of one routed run here")
     parser.add_argument(
@@ -199,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         help="run one side only (to count instructions under callgrind, for instance)",
     )
     args = parser.parse_args(argv)
+    if args.episodes < 1:
+        parser.error("--episodes must be positive")
     results = []
     for run in range(args.runs):
         profile = cProfile.Profile() if args.profile is not None and run == 0 else None
@@ -207,7 +235,14 @@ def main(argv: list[str] | None = None) -> int:
             quiet_router_warnings(),
         ):
             result = uvloop.run(
-                measure(args.requests, args.connections, Path(folder), profile, args.only)
+                measure(
+                    args.requests,
+                    args.connections,
+                    Path(folder),
+                    profile,
+                    args.only,
+                    args.episodes,
+                )
             )
         if profile is not None:
             profile.dump_stats(args.profile)
@@ -225,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"router CPU per forwarded request (one process, best of {len(results)}): "
             f"{best.router_us:.1f} us ({args.requests:,} requests, {args.connections} "
-            "connections)"
+            f"connections) over {args.episodes:,} episodes"
         )
     return 0
 
