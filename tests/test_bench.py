@@ -758,6 +758,8 @@ def test_the_in_process_hot_path_run_forwards_every_request_and_reports_its_cost
         "4",
         "--runs",
         "1",
+        "--episodes",
+        "600",
         timeout=QUICK_TIMEOUT_S,
     )
     assert done.returncode == 0, done.stdout + done.stderr  # a non-200 reply fails the run
@@ -767,6 +769,8 @@ def test_the_in_process_hot_path_run_forwards_every_request_and_reports_its_cost
     direct, routed = float(found[1]), float(found[2])
     assert 0 < direct < routed, line  # routing costs more CPU than the worker alone
     assert "(400 requests, 4 connections)" in done.stdout
+    # More episodes than requests: the connections share one rotation, as wrk's do.
+    assert "over 600 episodes" in done.stdout
 
 
 # --- full runs (EPISODE_ROUTER_BENCH=1) -------------------------------------------------------
