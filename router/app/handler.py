@@ -316,21 +316,23 @@ class PublicHandler(ExchangeOwner):
         """The hop to the router that holds `key`. A peer that answers 421 `not_owner`
         (it registered again since the lookup) is never relayed: the client gets 503
         `recovering`, and its retry's lookup finds the key's new owner, or that it is
-        dead. A cached answer whose owner cannot be reached is asked of the directory
-        once more (nothing was sent): its owner may have stopped since, and the key
-        is 410 already."""
+        dead. A cached answer whose owner cannot be reached, or answers 421, is asked
+        of the directory once more (nothing was relayed): its owner may have stopped
+        since, and the key be 410 already. Only a request nothing of which went out
+        is sent again, to the owner the directory names now."""
         fleet = self.fleet
         assert fleet is not None
         hop = await self._hop(exchange, kind, key, found)
-        if hop == _UNREACHED and found.cached:
-            found = await fleet.lookup(kind, key)  # the cached answer was dropped
-            if found.meaning is RequestMeaning.PEER:
-                hop = await self._hop(exchange, kind, key, found)
+        if hop != _RELAYED and found.cached:
+            fresh = await fleet.lookup(kind, key)  # the cached answer was dropped
+            if fresh.meaning is RequestMeaning.PEER:
+                if hop == _UNREACHED:
+                    hop = await self._hop(exchange, kind, key, fresh)
             else:
-                mcp = kind in self.core.settings.mcp_kinds
-                answer = answer_for(found.meaning, key, mcp)
-                exchange.answer(answer if answer is not None else owner_unreachable(key))
-                return
+                answer = answer_for(fresh.meaning, key, kind in self.core.settings.mcp_kinds)
+                if answer is not None:
+                    exchange.answer(answer)
+                    return
         if hop == _UNREACHED:
             fleet.counts.peer_forward("owner_unreachable")
             exchange.answer(owner_unreachable(key))

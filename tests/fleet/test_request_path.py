@@ -356,6 +356,27 @@ async def test_a_cached_peer_answer_whose_owner_stopped_is_dropped_and_asked_aga
     assert set(statuses) <= {410, 503}, statuses  # never a 401, never another worker
 
 
+async def test_a_cached_peer_answer_whose_owner_retired_but_still_listens_is_410_at_once(
+    fleet: Fleet,
+) -> None:
+    # SIGTERM's first step: the certificate, while the router drains with its listeners
+    # up (its peer listener answers 421 now: it is no incarnation any more).
+    tok, key = await fleet.episode_on("r1")
+    assert (await fleet.call("r2", tok)).worker == "r1-w0"  # r2 caches r1's answer
+    r1, r2 = fleet.routers["r1"].fleet, fleet.routers["r2"].fleet
+    assert r1 is not None and r2 is not None and r2.tracking is not None
+    cache = r2.tracking.cache
+    owner_key = r2.directory.layout.owner("episode", key)
+    held = cache.get(owner_key, asyncio.get_running_loop().time())
+    assert held is not None and held.result.state.value == "held"
+    await r1.stop()
+    # Between processes, the request can come before r2 reads Redis's invalidation of
+    # the record: its cached answer is put back as it was, to stand for that.
+    cache.store([owner_key], [held], cache.generation, asyncio.get_running_loop().time())
+    (await fleet.call("r2", tok)).assert_answer(410, "worker_exited", key)
+    assert r2.counts.peer_forwards.get("not_owner", 0) == 0  # no 503 on the way
+
+
 async def test_a_directory_that_lost_its_data_is_repopulated_from_the_routers_tables(
     fleet: Fleet, redis_server: RedisServer
 ) -> None:
