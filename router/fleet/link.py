@@ -368,16 +368,13 @@ class FleetLink:
         self.directory.forget(kind, key)
 
     async def lookup(self, kind: str, key: str) -> Lookup:
-        """What a key the local table does not know means (never raises); asked of the
-        directory when the cache holds no good answer (`directory_lookup_seconds` times
-        those waits)."""
+        """What a key the local table does not know means (never raises), for a key
+        `cached` had no answer for: asked of the directory, batched with the loop
+        turn's other lookups (`directory_lookup_seconds` times those waits)."""
         epoch = self.directory.epoch
         if epoch is None:
             self._count_lookup(WITHOUT_AN_ANSWER)
             return UNANSWERED
-        cached = self.cached(kind, key)
-        if cached is not None:
-            return cached
         started = self._clock()
         try:
             found = await self.directory.lookup_one(kind, key)
