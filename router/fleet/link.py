@@ -331,7 +331,8 @@ class FleetLink:
 
     def _release_gathered(self) -> None:
         keys, self._releasing = self._releasing, []
-        task = asyncio.get_running_loop().create_task(self._release(keys))
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self._release(keys), name="directory-release")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
