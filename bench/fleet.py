@@ -100,6 +100,7 @@ class Settings:
     # Fresh absent tokens for the cold misses under load (each asked once: more than the
     # closed-loop run answers, else the load wraps onto cached answers, which is counted).
     cold_load_tokens: int = 40_000
+    cold_load_s: float = 1.5  # 40,000 tokens outlast 1.5 s at up to 26,000 requests/s
     # A's episodes the forwarded requests rotate over: a pass over them takes well under
     # a lease (about 1.5 ms a forwarded serial request here), so an episode's later
     # calls find its owner's answer cached, as a rollout's calls do.
@@ -120,6 +121,7 @@ class Settings:
             serial_warmup=20,
             cold_requests=100,
             cold_load_tokens=3000,
+            cold_load_s=1.0,
             forward_tokens=64,
             lease_s=2.0,
             lookup_timeout_ms=500,
@@ -403,18 +405,24 @@ class Loader:
         return "wrk" if self.wrk else "bundled"
 
     def closed(
-        self, port: int, name: str, tokens: Sequence[str], connections: int
+        self,
+        port: int,
+        name: str,
+        tokens: Sequence[str],
+        connections: int,
+        seconds: float | None = None,
     ) -> load.LoadResult:
         s = self.settings
+        seconds = s.load_s if seconds is None else seconds
         if self.wrk is not None:
             script = self._scripts.get(name)
             if script is None:
                 path = self.folder / f"{name}.lua"
                 path.write_text(load.wrk_script(tokens))
                 script = self._scripts[name] = str(path)
-            return load.run_wrk(self.wrk, port, script, connections, 1, s.load_s)
+            return load.run_wrk(self.wrk, port, script, connections, 1, seconds)
         requests = [load.build_request(token, port) for token in tokens]
-        return load.run_async(load.closed_loop(port, requests, connections, s.load_s))
+        return load.run_async(load.closed_loop(port, requests, connections, seconds))
 
 
 # --- the benchmark -----------------------------------------------------------------------------
@@ -489,13 +497,13 @@ class FleetBench:
     # -- one closed-loop sample --
 
     def closed_sample(
-        self, router: str, tokens_name: str, tokens: Sequence[str]
+        self, router: str, tokens_name: str, tokens: Sequence[str], seconds: float | None = None
     ) -> tuple[float, float, int]:
         """CPU us per request, requests/s and non-background Redis commands of one
-        closed-loop run on `router` cycling over `tokens`."""
+        closed-loop run on `router` cycling over `tokens` (for `seconds`, else load_s)."""
         before_cpu, before_log = self.cpu(router), self.log.snapshot()
         result = self.loader.closed(
-            self.port(router), tokens_name, tokens, self.settings.connections
+            self.port(router), tokens_name, tokens, self.settings.connections, seconds
         )
         used = self.cpu(router) - before_cpu
         counts = self.log.snapshot() - before_log
@@ -568,7 +576,7 @@ class FleetBench:
             tokens = [e.token for e in fresh]
             name = f"cold-load-{self._cold_count}"
             before_log = self.log.snapshot()
-            cpu, _, _ = self.closed_sample(router, name, tokens)
+            cpu, _, _ = self.closed_sample(router, name, tokens, self.settings.cold_load_s)
             counts = self.log.snapshot() - before_log
             figures[router] = (cpu, counts)
         answered = self.last_requests
