@@ -24,7 +24,7 @@ from router.app.exchange import (
     ExchangeOwner,
     failure_answer,
 )
-from router.core import Answer, ClaimState, Forward, RouterCore, Worker
+from router.core import Answer, Claim, ClaimState, Forward, RouterCore, Worker
 from router.directory import ClaimGate, RequestMeaning
 from router.edge import BodyBroken, PublicRequest, framing_problem
 from router.fleet import (
@@ -209,14 +209,22 @@ class PublicHandler(ExchangeOwner):
                     if found_there is None:
                         return self._look_up_and_route(exchange, kind, key)
                     # The lookup cache's answer: acted on at once, no task for it.
-                    return self._settle(exchange, kind, key, found_there)
-                # A held key only: an ended or exited one is 410 for good, lease or not.
-                if claim is not None and claim.state is HELD and not fleet.serving(self._clock()):
-                    # Checked as it is served, not as it was accepted: a request that
-                    # waited in a paused router's backlog meets the lapse too.
-                    self._answer(exchange, lease_lapsed(key))
+                    return self._settle(exchange, kind, key, found_there, None)
+                if claim is not None and self._lease_lapsed(exchange, claim, key):
                     return None
         return self._decide(exchange, kind, key)
+
+    def _lease_lapsed(self, exchange: Exchange, claim: Claim, key: str) -> bool:
+        """Whether `claim` is held here while this router's lease may have lapsed: then
+        answered 503 (an ended or exited claim is 410 for good, lease or not). Checked as
+        the request is served, not as it was accepted: a request that waited in a paused
+        router's backlog meets the lapse too."""
+        fleet = self.fleet
+        assert fleet is not None
+        if claim.state is HELD and not fleet.serving(self._clock()):
+            self._answer(exchange, lease_lapsed(key))
+            return True
+        return False
 
     def _decide(self, exchange: Exchange, kind: str | None, key: str | None) -> Forward | None:
         """The local table's decision for the session read; None when it is an answer of
@@ -271,21 +279,22 @@ class PublicHandler(ExchangeOwner):
         fleet = self.fleet
         assert fleet is not None
         found = await fleet.lookup(kind, key)
-        step = self._settle(exchange, kind, key, found)
+        # Read again: the key may have been claimed here while it was looked up.
+        step = self._settle(exchange, kind, key, found, self.core.claims.lookup(kind, key))
         if isinstance(step, Forward):
             await self._forward_and_finish(exchange, step)
         elif step is not None:
             await step
 
     def _settle(
-        self, exchange: Exchange, kind: str, key: str, found: Lookup
+        self, exchange: Exchange, kind: str, key: str, found: Lookup, claim: Claim | None
     ) -> Forward | Coroutine[Any, Any, None] | None:
         """What a lookup's answer does with a request for a key this router's table did
-        not know (design §10, the request path): its owner's peer listener (a coroutine),
-        a 410 or a 503 (None: answered), or this router's own decision (its own key, or
-        nobody's in a settled fleet)."""
-        claim = self.core.claims.lookup(kind, key)
-        if claim is None:  # not claimed here while it was looked up
+        not know (design §10, the request path), `claim` its record here now: its owner's
+        peer listener (a coroutine), a 410 or a 503 (None: answered), or this router's
+        own decision (its own key, or nobody's in a settled fleet, or claimed here
+        meanwhile)."""
+        if claim is None:
             if found.meaning is RequestMeaning.PEER:
                 return self._to_peer(exchange, kind, key, found)
             answer = answer_for(found.meaning, key, kind in self.core.settings.mcp_kinds)
@@ -294,12 +303,8 @@ class PublicHandler(ExchangeOwner):
                     exchange.decided = _perf_counter()
                 self._answer(exchange, answer)
                 return None
-        elif claim.state is HELD:
-            fleet = self.fleet
-            assert fleet is not None
-            if not fleet.serving(self._clock()):
-                self._answer(exchange, lease_lapsed(key))
-                return None
+        elif self._lease_lapsed(exchange, claim, key):
+            return None
         return self._decide(exchange, kind, key)
 
     async def _to_peer(self, exchange: Exchange, kind: str, key: str, found: Lookup) -> None:

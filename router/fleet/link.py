@@ -31,6 +31,7 @@ from router.directory import (
     DirectorySettings,
     DirectoryUnavailable,
     HeartbeatLoop,
+    KeyLookup,
     LookupResult,
     LookupState,
     Member,
@@ -356,9 +357,7 @@ class FleetLink:
         found = self.directory.cached(kind, key)
         if found is None:
             return None
-        meaning = meaning_of(
-            found.result, found.fleet, self.router_id, epoch, self.settings.lease_ms
-        )
+        meaning = self._meaning(found, epoch)
         if found.result.state is LookupState.HELD and meaning is not RequestMeaning.PEER:
             return None  # ours, of this incarnation or one before: the directory says
         self._count_lookup(meaning)
@@ -386,9 +385,7 @@ class FleetLink:
         finally:
             self.counts.lookup_seconds_count += 1
             self.counts.lookup_seconds_sum += self._clock() - started
-        meaning = meaning_of(
-            found.result, found.fleet, self.router_id, epoch, self.settings.lease_ms
-        )
+        meaning = self._meaning(found, epoch)
         self._count_lookup(meaning)
         return Lookup(meaning, found.result)
 
@@ -414,6 +411,9 @@ class FleetLink:
             lookup_seconds_count=counts.lookup_seconds_count,
             lookup_seconds_sum=counts.lookup_seconds_sum,
         )
+
+    def _meaning(self, found: KeyLookup, epoch: int) -> RequestMeaning:
+        return meaning_of(found.result, found.fleet, self.router_id, epoch, self.settings.lease_ms)
 
     def _count_lookup(self, meaning: RequestMeaning) -> None:
         counts = self.counts.lookups
