@@ -362,11 +362,18 @@ async def test_a_cached_peer_answer_whose_owner_retired_but_still_listens_is_410
     # SIGTERM's first step: the certificate, while the router drains with its listeners
     # up (its peer listener answers 421 now: it is no incarnation any more).
     tok, key = await fleet.episode_on("r1")
-    assert (await fleet.call("r2", tok)).worker == "r1-w0"  # r2 caches r1's answer
     r1, r2 = fleet.routers["r1"].fleet, fleet.routers["r2"].fleet
     assert r1 is not None and r2 is not None and r2.tracking is not None
     cache = r2.tracking.cache
     owner_key = r2.directory.layout.owner("episode", key)
+
+    async def cached_there() -> bool:
+        # r2 caches r1's answer from a call's lookup, unless an invalidation crossed
+        # it or the channel was slow to be heard (a loaded machine): called again.
+        assert (await fleet.call("r2", tok)).worker == "r1-w0"
+        return cache.get(owner_key, asyncio.get_running_loop().time()) is not None
+
+    await wait_until(cached_there, "r2 to cache r1's answer")
     held = cache.get(owner_key, asyncio.get_running_loop().time())
     assert held is not None and held.result.state.value == "held"
     await r1.stop()
