@@ -42,7 +42,7 @@ from router.fleet import (
 )
 from router.metrics import RouterMetrics
 from router.protocol import is_ip
-from router.relay import Forwarder, Upstream, UpstreamFailure, as_value
+from router.relay import Forwarder, LaneDone, Upstream, UpstreamFailure, as_value
 from router.sessions import ReplyLearner, SessionReader, SessionRef, plan_learning
 
 log = logging.getLogger("episode_router.public")
@@ -61,6 +61,16 @@ MAX_SESSIONLESS_TRIES: Final = 3  # a sessionless request nothing of which reach
 # A Final name: the compiled build keeps it in a C variable, where an imported name is
 # looked up in the module's dict at each call (three times a request).
 _perf_counter: Final = time.perf_counter
+
+
+class OnTheLane:
+    """What `PublicHandler._route` returns for a request the relay's lane carries on:
+    its callback finishes it (`PublicHandler.hop_done`)."""
+
+    __slots__ = ()
+
+
+_ON_THE_LANE: Final = OnTheLane()
 
 
 class PublicHandler(ExchangeOwner):
@@ -128,8 +138,10 @@ class PublicHandler(ExchangeOwner):
                 and _small_json_body(request, reader)
             ):
                 return self._session_from_body(exchange, found)
-            decision = self._route(exchange, found)
+            decision = self._route(exchange, found, lane=True)
             if decision is not None:
+                if isinstance(decision, OnTheLane):
+                    return None  # a peer hop on the relay's lane: hop_done finishes it
                 if not isinstance(decision, Forward):
                     return decision  # a directory lookup first (design §10)
                 # A reply a learner must see goes the coroutine path (Forwarder.forward).
@@ -160,18 +172,20 @@ class PublicHandler(ExchangeOwner):
             return
         if found is None:
             found = self.sessions.read_body(exchange.body, exchange.seeding)
-        decision = self._route(exchange, found)
+        decision = self._route(exchange, found, lane=False)
         if isinstance(decision, Forward):
             await self._forward_and_finish(exchange, decision)
-        elif decision is not None:
+        elif decision is not None and not isinstance(decision, OnTheLane):
             await decision
 
     def _route(
-        self, exchange: Exchange, found: SessionRef | Answer | None
-    ) -> Forward | Coroutine[Any, Any, None] | None:
+        self, exchange: Exchange, found: SessionRef | Answer | None, *, lane: bool
+    ) -> Forward | Coroutine[Any, Any, None] | OnTheLane | None:
         """Where the request goes, from the session read so far; None when the router
         answered it itself (the answer is out and counted); a coroutine that routes it
-        once the directory answered, for a key this router's table does not know."""
+        once the directory answered, for a key this router's table does not know;
+        `_ON_THE_LANE` for a hop to its owner the relay's lane took (when `lane`: the
+        caller is not a coroutine that would finish the request on its return)."""
         if found is None and self.sessions.reads_paths:
             found = self.sessions.read_path(exchange.route_path, exchange.seeding)
         if isinstance(found, Answer):
@@ -208,7 +222,14 @@ class PublicHandler(ExchangeOwner):
                     found_there = fleet.cached(kind, key)
                     if found_there is None:
                         return self._look_up_and_route(exchange, kind, key)
-                    # The lookup cache's answer: acted on at once, no task for it.
+                    # The lookup cache's answer: acted on at once, no task for it, and a
+                    # hop to its owner on the relay's lane when it can go at once.
+                    if (
+                        lane
+                        and found_there.meaning is RequestMeaning.PEER
+                        and self._start_hop(exchange, kind, key, found_there)
+                    ):
+                        return _ON_THE_LANE
                     return self._settle(exchange, kind, key, found_there, None)
                 if claim is not None and self._lease_lapsed(exchange, claim, key):
                     return None
@@ -307,16 +328,65 @@ class PublicHandler(ExchangeOwner):
             return None
         return self._decide(exchange, kind, key)
 
-    async def _to_peer(self, exchange: Exchange, kind: str, key: str, found: Lookup) -> None:
+    def _start_hop(self, exchange: Exchange, kind: str, key: str, found: Lookup) -> bool:
+        """The hop to the router that holds `key` on the relay's lane (`Forwarder.start`),
+        when it can go at once; its 421 goes the coroutine path, to be held back
+        (`PeerHop`). False when it cannot (nothing was sent: `_to_peer` it instead)."""
+        fleet = self.fleet
+        assert fleet is not None and found.result is not None and found.result.peer
+        hop = PeerHop(self, exchange, kind, key, found)
+        return self.forwarder.start(
+            exchange.request,
+            self._peer_upstream(found.result.peer),
+            hop,
+            extra_headers={PEER_HEADER: self._hop_header(exchange, kind, key, found)},
+            public_base=None,
+            body=exchange.body,
+            observer=hop,
+            observed_status=421,
+        )
+
+    def hop_done(self, hop: PeerHop, result: int | Coroutine[Any, Any, int]) -> None:
+        """The relay's callback for a hop on its lane (`PeerHop.lane_done`): the reply
+        went out (`result` is its status), or the rest of the hop is a coroutine to run."""
+        exchange = hop.exchange
+        request = exchange.request
+        if isinstance(result, int):
+            fleet = self.fleet
+            assert fleet is not None
+            fleet.counts.peer_forward("forwarded")
+            exchange.status = result
+            self._finish(exchange)
+            request.client.finished(request)
+            return
+        request.client.carry_on(
+            request, self._to_peer(exchange, hop.kind, hop.key, hop.found, (hop, result))
+        )
+
+    async def _to_peer(
+        self,
+        exchange: Exchange,
+        kind: str,
+        key: str,
+        found: Lookup,
+        started: tuple[PeerHop, Coroutine[Any, Any, int]] | None = None,
+    ) -> None:
+        """The hop to the router that holds `key` as a coroutine, from its start or
+        from the rest of one its lane handed over (`started`)."""
         self._decision_observed(exchange)
         try:
-            await self._forward_to_peer(exchange, kind, key, found)
+            await self._forward_to_peer(exchange, kind, key, found, started)
         except BodyBroken as broken:
             exchange.body_broke(broken)
         self._finish(exchange)
 
     async def _forward_to_peer(
-        self, exchange: Exchange, kind: str, key: str, found: Lookup
+        self,
+        exchange: Exchange,
+        kind: str,
+        key: str,
+        found: Lookup,
+        started: tuple[PeerHop, Coroutine[Any, Any, int]] | None,
     ) -> None:
         """The hop to the router that holds `key`. A peer that answers 421 `not_owner`
         (it registered again since the lookup) is never relayed: the client gets 503
@@ -327,7 +397,10 @@ class PublicHandler(ExchangeOwner):
         is sent again, to the owner the directory names now."""
         fleet = self.fleet
         assert fleet is not None
-        hop = await self._hop(exchange, kind, key, found)
+        if started is None:
+            hop = await self._hop(exchange, kind, key, found)
+        else:
+            hop = await self._hop_outcome(exchange, kind, key, *started)
         if hop != _RELAYED and found.cached:
             fresh = await fleet.lookup(kind, key)  # the cached answer was dropped
             if fresh.meaning is RequestMeaning.PEER:
@@ -345,16 +418,12 @@ class PublicHandler(ExchangeOwner):
             fleet.counts.peer_forward("not_owner")
             exchange.answer(owner_restarted(key))
 
-    async def _hop(self, exchange: Exchange, kind: str, key: str, found: Lookup) -> str:
-        """One hop to the router that holds `key`, signed; its answer relayed as it is
-        (`_RELAYED`, a failure after the request went out included), but for its 421
-        `not_owner` (`_NOT_OWNER`) and a peer that could not be reached, nothing of the
-        request sent (`_UNREACHED`): nothing relayed for those two, and the answer that
-        named that peer dropped from the lookup cache."""
+    def _hop_header(self, exchange: Exchange, kind: str, key: str, found: Lookup) -> str:
+        """The signed peer header of one hop to the incarnation `found` names."""
         fleet = self.fleet
-        assert fleet is not None and found.result is not None and found.result.peer
+        assert fleet is not None
         request = exchange.request
-        header = sign(
+        return sign(
             self.peer_secret,
             request.method,
             request.target,
@@ -363,23 +432,49 @@ class PublicHandler(ExchangeOwner):
             found.receiver,
             round(self._wall_clock() * 1000),
         )
+
+    async def _hop(self, exchange: Exchange, kind: str, key: str, found: Lookup) -> str:
+        """One hop to the router that holds `key`, signed, as a coroutine: what it came
+        to (`_hop_outcome`)."""
+        assert found.result is not None and found.result.peer
+        request = exchange.request
+        header = self._hop_header(exchange, kind, key, found)
         _continue_if_expected(request)
+        hop = PeerHop(self, exchange, kind, key, found)
+        forward = self.forwarder.forward(
+            request,
+            self._peer_upstream(found.result.peer),
+            extra_headers={PEER_HEADER: header},
+            public_base=None,
+            body=exchange.body,
+            observer=hop,
+        )
+        return await self._hop_outcome(exchange, kind, key, hop, forward)
+
+    async def _hop_outcome(
+        self,
+        exchange: Exchange,
+        kind: str,
+        key: str,
+        hop: PeerHop,
+        forward: Coroutine[Any, Any, int],
+    ) -> str:
+        """What one hop's `forward` came to: its answer relayed as it is (`_RELAYED`, a
+        failure after the request went out included), but for its 421 `not_owner`
+        (`_NOT_OWNER`, which `hop` held back) and a peer that could not be reached,
+        nothing of the request sent (`_UNREACHED`): nothing relayed for those two, and
+        the answer that named that peer dropped from the lookup cache."""
+        fleet = self.fleet
+        assert fleet is not None
         counts = fleet.counts
         try:
-            exchange.status = await self.forwarder.forward(
-                request,
-                self._peer_upstream(found.result.peer),
-                extra_headers={PEER_HEADER: header},
-                public_base=None,
-                body=exchange.body,
-                observer=NotOwnerWatch(),
-            )
+            exchange.status = await forward
         except UpstreamFailure as raised:
             failure = as_value(raised)
             if exchange.failed_by_client(failure):
                 return _RELAYED
             fleet.forget(kind, key)  # the retry asks the directory again
-            if failure.kind == "directory":  # NotOwnerWatch held a 421 not_owner back
+            if failure.kind == "directory":  # `hop` held a 421 not_owner back
                 return _NOT_OWNER
             if not failure.request_sent:
                 return _UNREACHED
@@ -639,15 +734,26 @@ class PublicHandler(ExchangeOwner):
         )
 
 
-class NotOwnerWatch:
-    """The reply observer of a hop (router.relay's ReplyObserver): a peer's own 421
-    `not_owner` is held back from the client, through the relay's hold on a reply the
-    directory did not take (`directory_write` answering False)."""
+class PeerHop(LaneDone):
+    """One hop to the router that holds a key: the relay's callback for it on the lane
+    (`router.relay.LaneDone`), and its reply observer (`router.relay.ReplyObserver`),
+    which holds a peer's own 421 `not_owner` back from the client, through the relay's
+    hold on a reply the directory did not take (`directory_write` answering False)."""
 
-    __slots__ = ("directory_write",)
+    __slots__ = ("directory_write", "exchange", "found", "handler", "key", "kind")
 
-    def __init__(self) -> None:
+    def __init__(
+        self, handler: PublicHandler, exchange: Exchange, kind: str, key: str, found: Lookup
+    ) -> None:
+        self.handler = handler
+        self.exchange = exchange
+        self.kind = kind
+        self.key = key
+        self.found = found
         self.directory_write: Coroutine[Any, Any, bool] | None = None
+
+    def lane_done(self, result: int | Coroutine[Any, Any, int]) -> None:
+        self.handler.hop_done(self, result)
 
     def head(self, status: int, headers: Mapping[str, str], set_cookies: list[str]) -> int:
         return NOT_OWNER_BODY_BYTES if status == 421 else 0

@@ -173,10 +173,17 @@ class Forwarder(LaneOwner):
         extra_headers: dict[str, str] = NO_EXTRA,
         public_base: str | None = None,
         body: bytes | None = None,
+        observer: ReplyObserver | None = None,
+        observed_status: int = 0,
     ) -> bool:
         """`forward()` with no task, no coroutine and no future, when the request can go
-        at once: its body all here and small, an idle connection to the worker at hand,
-        and no observer. False when it cannot (nothing was done: `forward()` it instead).
+        at once: its body all here and small, and an idle connection to the worker at
+        hand. False when it cannot (nothing was done: `forward()` it instead).
+
+        `observer` sees only a reply whose status is `observed_status` (a peer hop's
+        421, which may have to be held back): such a reply, and any the lane does not
+        relay whole, goes the coroutine path, shown to `observer` as `forward()` shows
+        it. Any other reply is relayed unseen.
 
         `on_done.lane_done` is called once: with the status, when the reply came whole and was
         relayed (the usual tool call), or with a coroutine that finishes the forward as
@@ -188,7 +195,7 @@ class Forwarder(LaneOwner):
         (measured with the edge's synchronous dispatch: docs/performance.md).
         """
         if self.lane_enabled and self._start(
-            request, upstream, on_done, extra_headers, public_base, body
+            request, upstream, on_done, extra_headers, public_base, body, observer, observed_status
         ):
             self.lane_started += 1
             return True
@@ -203,6 +210,8 @@ class Forwarder(LaneOwner):
         extra_headers: dict[str, str],
         public_base: str | None,
         body: bytes | None,
+        observer: ReplyObserver | None,
+        observed_status: int,
     ) -> bool:
         if request.method == "CONNECT" or not request.body_complete:
             return False
@@ -224,25 +233,35 @@ class Forwarder(LaneOwner):
         exchange.conn = conn
         request.on_client_lost = exchange
         self._write_request(exchange, conn, message)
-        lane = Lane(self, exchange, message, public_base, on_done)
+        lane = Lane(self, exchange, message, public_base, on_done, observer, observed_status)
         conn.listen(lane, exchange.deadline)
         return True
 
     def handed_over(
-        self, exchange: Exchange, message: bytes, public_base: str | None
+        self,
+        exchange: Exchange,
+        message: bytes,
+        public_base: str | None,
+        observer: ReplyObserver | None,
     ) -> Coroutine[Any, Any, int]:
         """A forward its lane handed over (`Lane`): the rest of it, to run."""
         self.lane_handovers += 1
-        return self.resume(exchange, message, public_base)
+        return self.resume(exchange, message, public_base, observer)
 
-    async def resume(self, exchange: Exchange, message: bytes, public_base: str | None) -> int:
+    async def resume(
+        self,
+        exchange: Exchange,
+        message: bytes,
+        public_base: str | None,
+        observer: ReplyObserver | None = None,
+    ) -> int:
         """The rest of a forward the lane started and handed over (`router.relay.lane.Lane`): as
         `forward()` from the wait for the reply head on."""
         try:
             failure = await self._reply_head_or_retry(exchange, message)
             if failure is not None:
                 raise failure
-            return await self._relay(exchange, public_base, None)
+            return await self._relay(exchange, public_base, observer)
         finally:
             self._let_go(exchange)
 

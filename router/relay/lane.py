@@ -15,6 +15,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from router.relay.connection import WOKE, ReplyWatcher
+from router.relay.contract import ReplyObserver
 from router.relay.exchange import Exchange, send_whole
 
 __all__ = ["Lane", "LaneDone", "LaneOwner"]
@@ -44,16 +45,29 @@ class LaneOwner:
     __slots__ = ()
 
     def handed_over(
-        self, exchange: Exchange, message: bytes, public_base: str | None
+        self,
+        exchange: Exchange,
+        message: bytes,
+        public_base: str | None,
+        observer: ReplyObserver | None,
     ) -> Coroutine[Any, Any, int]:
-        """The rest of the forward, from the wait for the reply head on, to run."""
+        """The rest of the forward, from the wait for the reply head on, to run, its
+        reply shown to `observer`."""
         raise NotImplementedError
 
 
 class Lane(ReplyWatcher):
     """A forward started by `Forwarder.start`, waiting on its connection's callback."""
 
-    __slots__ = ("exchange", "forwarder", "message", "on_done", "public_base")
+    __slots__ = (
+        "exchange",
+        "forwarder",
+        "message",
+        "observed_status",
+        "observer",
+        "on_done",
+        "public_base",
+    )
 
     def __init__(
         self,
@@ -62,12 +76,17 @@ class Lane(ReplyWatcher):
         message: bytes,
         public_base: str | None,
         on_done: LaneDone,
+        observer: ReplyObserver | None = None,
+        observed_status: int = 0,
     ) -> None:
         self.forwarder = forwarder
         self.exchange = exchange
         self.message = message
         self.public_base = public_base
         self.on_done = on_done
+        # A reply of this status is handed over, to be shown to `observer` (0: none is).
+        self.observer = observer
+        self.observed_status = observed_status if observer is not None else 0
 
     def woke(self, outcome: int) -> None:
         """The connection's listener: relays a reply that came whole, listens again while
@@ -79,7 +98,8 @@ class Lane(ReplyWatcher):
             if conn is not None:
                 reply = conn.reply
                 if reply.complete:
-                    status = send_whole(exchange, self.public_base)
+                    if reply.status != self.observed_status:
+                        status = send_whole(exchange, self.public_base)
                 elif outcome == WOKE and not reply.head_done and reply.broken is None:
                     conn.listen(self, exchange.deadline)
                     return
@@ -91,7 +111,7 @@ class Lane(ReplyWatcher):
             self.on_done.lane_done(status)
         else:
             self.on_done.lane_done(
-                self.forwarder.handed_over(exchange, self.message, self.public_base)
+                self.forwarder.handed_over(exchange, self.message, self.public_base, self.observer)
             )
 
 

@@ -320,8 +320,13 @@ async def test_a_peers_episode_is_forwarded_from_the_cached_answer_until_its_rec
     tok, key = await fleet.episode_on("r1")
     assert (await fleet.call("r2", tok)).worker == "r1-w0"  # looked up once
     calls = redis_server.script_calls()
+    relay = fleet.routers["r2"].forwarder
+    on_the_lane = relay.lane_started
     for _ in range(5):
         assert (await fleet.call("r2", tok)).worker == "r1-w0"
+    # Each hop from the cached answer went on the relay's lane (a pooled connection
+    # to r1's peer listener was idle), its reply relayed from the callback.
+    assert relay.lane_started - on_the_lane == 5
     # The owner's lease runs: no lookup for these (the heartbeats' and sweeps' calls
     # are the only scripts meanwhile, two a beat per router at most).
     lookups = fleet.routers["r2"].fleet
@@ -380,8 +385,12 @@ async def test_a_cached_peer_answer_whose_owner_retired_but_still_listens_is_410
     # Between processes, the request can come before r2 reads Redis's invalidation of
     # the record: its cached answer is put back as it was, to stand for that.
     cache.store([owner_key], [held], cache.generation, asyncio.get_running_loop().time())
+    relay = fleet.routers["r2"].forwarder
+    on_the_lane, handed_over = relay.lane_started, relay.lane_handovers
     (await fleet.call("r2", tok)).assert_answer(410, "worker_exited", key)
     assert r2.counts.peer_forwards.get("not_owner", 0) == 0  # no 503 on the way
+    # The hop went on the lane, which handed r1's 421 over to be held back, unrelayed.
+    assert (relay.lane_started - on_the_lane, relay.lane_handovers - handed_over) == (1, 1)
 
 
 async def test_a_directory_that_lost_its_data_is_repopulated_from_the_routers_tables(
