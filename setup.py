@@ -79,6 +79,15 @@ COMPILED_MODULES = [
     "router/sessions/reader.py",
     "router/tokens/cache.py",
     "router/core/workers.py",
+    # A fleet router's request path: the lookup cache and what its answer means, the
+    # owner key, the peer hop's signature, the answers a lookup decides and the fleet
+    # link the handler asks (its cached answers, the lease, the incarnation).
+    "router/directory/cache.py",
+    "router/directory/keys.py",
+    "router/directory/meaning.py",
+    "router/fleet/answers.py",
+    "router/fleet/signature.py",
+    "router/fleet/link.py",
 ]
 
 

@@ -45,7 +45,25 @@ def _digest(
     # NUL-separated: no field holds one (a request target or header value cannot), so
     # fields never run together into another request's.
     message = "\0".join((method, target, kind, key, sender, receiver, str(timestamp_ms)))
-    return hmac.new(secret, message.encode("utf-8", "surrogateescape"), hashlib.sha256).hexdigest()
+    mac = _keyed(secret).copy()
+    mac.update(message.encode("utf-8", "surrogateescape"))
+    return mac.hexdigest()
+
+
+# The secret's keyed HMAC, copied for each hop: half the cost of keying one afresh
+# (about 1 us against 2 here; every hop is signed by one router and checked by the
+# other). A reload with a new secret adds one; never more than a few are kept.
+_KEYED: dict[bytes, hmac.HMAC] = {}
+_MAX_KEYED = 4
+
+
+def _keyed(secret: bytes) -> hmac.HMAC:
+    mac = _KEYED.get(secret)
+    if mac is None:
+        if len(_KEYED) >= _MAX_KEYED:
+            _KEYED.clear()
+        mac = _KEYED[secret] = hmac.new(secret, digestmod=hashlib.sha256)
+    return mac
 
 
 def sign(

@@ -4,10 +4,13 @@ names, and which two may be one socket."""
 
 from __future__ import annotations
 
+import ipaddress
+
 import pytest
 
 from router.protocol.addresses import (
     UpstreamAddress,
+    is_ip,
     is_loopback_upstream,
     parse_upstream,
     same_upstream,
@@ -103,3 +106,23 @@ def _address(url: str) -> UpstreamAddress:
 def test_two_urls_may_name_one_socket(a: str, b: str, same: bool) -> None:
     assert same_upstream(_address(a), _address(b)) is same
     assert same_upstream(_address(b), _address(a)) is same
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "127.0.0.1", "0.0.0.0", "255.255.255.255", "10.1.2.3", "01.2.3.4", "1.2.3.04",
+        "256.1.1.1", "1.2.3", "1.2.3.4.5", "1.2.3.4\n", " 1.2.3.4", "1..2.3", "+1.2.3.4",
+        "1.2.3.\u0664", "\u0661.2.3.4", "::1", "::ffff:1.2.3.4", "fe80::1%eth0", "1::2::3",
+        "[::1]", "", "localhost",
+    ],
+)  # fmt: skip
+def test_is_ip_takes_exactly_the_addresses_ipaddress_takes(host: str) -> None:
+    # The dotted quad has a fast path of its own: it must agree with the standard
+    # library on every edge (leading zeros, non-ASCII digits, a trailing newline).
+    try:
+        ipaddress.ip_address(host)
+        expected = True
+    except ValueError:
+        expected = False
+    assert is_ip(host) is expected
