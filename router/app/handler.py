@@ -27,6 +27,7 @@ from router.app.exchange import (
 from router.core import Answer, Claim, ClaimState, Forward, RouterCore, Worker
 from router.directory import ClaimGate, RequestMeaning
 from router.edge import BodyBroken, PublicRequest, framing_problem
+from router.edge.head_text import host_text
 from router.fleet import (
     PEER_HEADER,
     FleetLink,
@@ -292,6 +293,15 @@ class PublicHandler(ExchangeOwner):
         forwarded_for = request.getall("X-Forwarded-For", [])
         if len(forwarded_for) == 1 and is_ip(forwarded_for[0]):
             request.remote = forwarded_for[0]
+        # So is the Host the client asked for (X-Forwarded-Host, the sending router's
+        # relay put it there), not this peer listener's: the worker's X-Forwarded-Host
+        # and the origin a Location is rewritten to are the client's.
+        forwarded_host = request.getall("X-Forwarded-Host", [])
+        if len(forwarded_host) == 1:
+            host = host_text(forwarded_host[0].encode("latin-1", "replace"))
+            if host:
+                request.host = host
+                request.authority = host
         return None
 
     async def _look_up_and_route(self, exchange: Exchange, kind: str, key: str) -> None:

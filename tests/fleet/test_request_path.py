@@ -144,9 +144,12 @@ async def test_a_peers_episode_is_forwarded_to_its_worker_and_stripped_of_the_ho
     seen = fleet.workers["r1"].seen[-1]
     forwarded_for = [value for name, value in seen.headers if name.lower() == "x-forwarded-for"]
     assert forwarded_for == ["127.0.0.5"]  # not the router that forwarded it (127.0.0.1)
+    # Nor of the peer listener's address: the Host the client asked for.
+    forwarded_host = [value for name, value in seen.headers if name.lower() == "x-forwarded-host"]
+    assert forwarded_host == [f"127.0.0.1:{port}"]
     r2 = fleet.routers["r2"].fleet
     assert r2 is not None and r2.counts.peer_forwards == {"forwarded": 3}
-    assert r2.counts.lookups == {"peer": 3}  # each a lookup: held ones are never cached
+    assert r2.counts.lookups == {"peer": 3}  # counted: one lookup, then the cached answer
 
 
 async def test_an_absent_key_is_503_while_the_fleet_repopulates_then_401(fleet: Fleet) -> None:
