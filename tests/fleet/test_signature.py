@@ -84,9 +84,20 @@ def test_a_stale_or_future_timestamp_is_refused(skew: int) -> None:
         "sender=r2:5;receiver=r1:7;ts=1;sig=" + "0" * 64 + ";extra=1",
         "sender=r2:5;sender=r2:6;receiver=r1:7;ts=1;sig=" + "0" * 64,
         "sender=r2:5;receiver=r1:7;ts=" + "9" * 40 + ";sig=" + "0" * 64,
+        "sender=r2:5;receiver=r1:7;ts=1;sig=" + "\u00e9" * 64,  # obs-text, not hex
+        "sender=r2:5;receiver=r1:7;sig=" + "0" * 64 + ";sig=" + "0" * 64,
+        "sender=r2:5;receiver=r1:7;ts=1;other=" + "0" * 64,
         "garbage without fields",
     ],
 )
 def test_a_missing_or_malformed_header_is_refused_with_a_reason(value: str | None) -> None:
     reason = verify(SECRET, value, "POST", "/tools/get?x=1", SESSION, NOW)
     assert isinstance(reason, str) and reason
+
+
+def test_a_hop_whose_fields_come_in_another_order_verifies() -> None:
+    # `sign` writes one order; any order of the same four fields is the same hop.
+    sender, receiver, stamp, signature = signed().split(";")
+    reordered = ";".join((signature, stamp, receiver, sender))
+    hop = verify(SECRET, reordered, "POST", "/tools/get?x=1", SESSION, NOW)
+    assert hop == PeerHop(sender="r2:5", receiver="r1:7")
