@@ -23,7 +23,8 @@ round, medians over the rounds) it measures:
    local 401 on the same tokens, warm (the lookup cache answers) and cold (fresh absent
    tokens, one serial request each: every one a lookup), and Redis lookups per request;
 3. peer-forwarded against direct: serial p50 through B (forwarded to A) and through A,
-   each minus the worker's own p50, and the CPU per serial request of A + B against A's;
+   each minus the worker's own p50, and the CPU per request of A + B against A's,
+   serially and under the same closed-loop load;
 4. two routers on one host against one: the closed loop split over A (on H) and B (on
    H_B) against all of it on A: requests per second and CPU per request;
 5. from `kill -9` of a router, and from its SIGTERM, to a 410 for its key on A (polled
@@ -617,6 +618,19 @@ class FleetBench:
         self.samples.add("direct serial cpu", cpu["A"])
         self.samples.add("forwarded serial cpu", cpu["B"])
         self.samples.add("forwarded cpu ratio", ratio(cpu["B"], cpu["A"]))
+        # The same episodes under closed-loop load: a serial request's CPU is mostly
+        # its routers' wake-ups (two more processes in the chain), a loaded one's their
+        # work per request.
+        loaded = {}
+        for via in ("A", "B"):
+            before = self.cpu("A", "B")
+            result = self.loader.closed(self.port(via), "forwarded", tokens, s.connections)
+            if not result.requests or result.errors:
+                raise RuntimeError(f"via {via} under load: {result}")
+            loaded[via] = (self.cpu("A", "B") - before) / result.requests * 1e6
+        self.samples.add("direct load cpu", loaded["A"])
+        self.samples.add("forwarded load cpu", loaded["B"])
+        self.samples.add("forwarded load cpu ratio", ratio(loaded["B"], loaded["A"]))
 
     def first_forward(self, tokens: Sequence[str], worker_p50_us: float) -> None:
         """Each episode's first call through B (its owner looked up), one pass over
@@ -743,6 +757,10 @@ def rows_of(bench: FleetBench, full: bool) -> list[Row]:
         Row("3", "direct: Redis lookups per request (on A)", m("A serial lookups"), ""),
         Row("3", "forwarded / direct, CPU per request", m("forwarded cpu ratio"), "x", "<= 2.2",
             judged(m("forwarded cpu ratio"), lambda v: v <= 2.2)),
+        Row("3", "direct: CPU per request under load (A)", m("direct load cpu"), "us"),
+        Row("3", "forwarded: CPU per request under load (A + B)", m("forwarded load cpu"), "us"),
+        Row("3", "forwarded / direct, CPU per request under load", m("forwarded load cpu ratio"),
+            "x", "<= 2.2", judged(m("forwarded load cpu ratio"), lambda v: v <= 2.2)),
         Row("3", "an episode's first call via B: lookups per request", m("first forward lookups"),
             ""),
         Row("3", "an episode's first call via B (its owner looked up): added p50",
