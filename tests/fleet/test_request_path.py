@@ -152,6 +152,23 @@ async def test_a_peers_episode_is_forwarded_to_its_worker_and_stripped_of_the_ho
     assert r2.counts.lookups == {"peer": 3}  # counted: one lookup, then the cached answer
 
 
+async def test_a_forwarded_replys_location_names_the_router_the_client_asked(
+    fleet: Fleet,
+) -> None:
+    # The owner's worker redirects to its own (private) address: the client, which
+    # asked r2, is sent to r2's origin, never to r1's peer listener nor to the worker.
+    tok, _ = await fleet.episode_on("r1")
+    for router_id in ("r1", "r2", "r2"):  # the second r2 call from the cached answer
+        port = fleet.routers[router_id].public_port
+        async with fleet.http.post(
+            f"http://127.0.0.1:{port}/redirect",
+            headers={TOKEN_HEADER: tok},
+            allow_redirects=False,
+        ) as reply:
+            assert reply.status == 302
+            assert reply.headers["Location"] == f"http://127.0.0.1:{port}/next", router_id
+
+
 async def test_an_absent_key_is_503_while_the_fleet_repopulates_then_401(fleet: Fleet) -> None:
     unknown, key = an_episode("never-claimed")
     first = await fleet.call("r2", unknown)
