@@ -342,8 +342,7 @@ class PublicHandler(ExchangeOwner):
         """The hop to the router that holds `key` on the relay's lane (`Forwarder.start`),
         when it can go at once; its 421 goes the coroutine path, to be held back
         (`PeerHop`). False when it cannot (nothing was sent: `_to_peer` it instead)."""
-        fleet = self.fleet
-        assert fleet is not None and found.result is not None and found.result.peer
+        assert found.result is not None and found.result.peer
         hop = PeerHop(self, exchange, kind, key, found)
         return self.forwarder.start(
             exchange.request,
@@ -370,7 +369,7 @@ class PublicHandler(ExchangeOwner):
             request.client.finished(request)
             return
         request.client.carry_on(
-            request, self._to_peer(exchange, hop.kind, hop.key, hop.found, (hop, result))
+            request, self._to_peer(exchange, hop.kind, hop.key, hop.found, result)
         )
 
     async def _to_peer(
@@ -379,7 +378,7 @@ class PublicHandler(ExchangeOwner):
         kind: str,
         key: str,
         found: Lookup,
-        started: tuple[PeerHop, Coroutine[Any, Any, int]] | None = None,
+        started: Coroutine[Any, Any, int] | None = None,
     ) -> None:
         """The hop to the router that holds `key` as a coroutine, from its start or
         from the rest of one its lane handed over (`started`)."""
@@ -396,7 +395,7 @@ class PublicHandler(ExchangeOwner):
         kind: str,
         key: str,
         found: Lookup,
-        started: tuple[PeerHop, Coroutine[Any, Any, int]] | None,
+        started: Coroutine[Any, Any, int] | None,
     ) -> None:
         """The hop to the router that holds `key`. A peer that answers 421 `not_owner`
         (it registered again since the lookup) is never relayed: the client gets 503
@@ -410,7 +409,7 @@ class PublicHandler(ExchangeOwner):
         if started is None:
             hop = await self._hop(exchange, kind, key, found)
         else:
-            hop = await self._hop_outcome(exchange, kind, key, *started)
+            hop = await self._hop_outcome(exchange, kind, key, started)
         if hop != _RELAYED and found.cached:
             fresh = await fleet.lookup(kind, key)  # the cached answer was dropped
             if fresh.meaning is RequestMeaning.PEER:
@@ -459,19 +458,14 @@ class PublicHandler(ExchangeOwner):
             body=exchange.body,
             observer=hop,
         )
-        return await self._hop_outcome(exchange, kind, key, hop, forward)
+        return await self._hop_outcome(exchange, kind, key, forward)
 
     async def _hop_outcome(
-        self,
-        exchange: Exchange,
-        kind: str,
-        key: str,
-        hop: PeerHop,
-        forward: Coroutine[Any, Any, int],
+        self, exchange: Exchange, kind: str, key: str, forward: Coroutine[Any, Any, int]
     ) -> str:
         """What one hop's `forward` came to: its answer relayed as it is (`_RELAYED`, a
         failure after the request went out included), but for its 421 `not_owner`
-        (`_NOT_OWNER`, which `hop` held back) and a peer that could not be reached,
+        (`_NOT_OWNER`, which its PeerHop held back) and a peer that could not be reached,
         nothing of the request sent (`_UNREACHED`): nothing relayed for those two, and
         the answer that named that peer dropped from the lookup cache."""
         fleet = self.fleet
@@ -484,7 +478,7 @@ class PublicHandler(ExchangeOwner):
             if exchange.failed_by_client(failure):
                 return _RELAYED
             fleet.forget(kind, key)  # the retry asks the directory again
-            if failure.kind == "directory":  # `hop` held a 421 not_owner back
+            if failure.kind == "directory":  # its PeerHop held a 421 not_owner back
                 return _NOT_OWNER
             if not failure.request_sent:
                 return _UNREACHED
