@@ -67,7 +67,7 @@ def test_a_quick_run_prints_every_row_with_sane_figures() -> None:
     redis_server_binary()  # fails with the package to install when it is missing
     printed: list[str] = []
     rows = run_fleet(Settings.quick(episodes=32, cold_requests=50), printed.append)
-    assert len(rows) == 35
+    assert len(rows) == 37
     for row in rows:
         assert row.value is not None and math.isfinite(row.value), row
         assert row.met is None or row.name.startswith("Redis commands") or row.item == "2"
@@ -81,6 +81,7 @@ def test_a_quick_run_prints_every_row_with_sane_figures() -> None:
     # An episode's first call on B looks its owner up; its later calls find it cached
     # (without the cache: 1.00 a request; a slow machine may let a few entries lapse).
     assert by_name["an episode's first call via B: lookups per request"] == 1.0
+    assert by_name["forwarded under load: non-2xx replies and errors"] == 0
     later = by_name["forwarded: Redis lookups per request (on B)"]
     assert later is not None and later < 0.5
     lease = Settings.quick().lease_s
