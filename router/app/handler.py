@@ -25,7 +25,7 @@ from router.app.exchange import (
     failure_answer,
 )
 from router.core import Answer, Claim, ClaimState, Forward, RouterCore, Worker
-from router.directory import ClaimGate, RequestMeaning
+from router.directory import RequestMeaning
 from router.edge import BodyBroken, PublicRequest, framing_problem
 from router.edge.head_text import host_text
 from router.fleet import (
@@ -89,12 +89,8 @@ class PublicHandler(ExchangeOwner):
         access_log: bool = False,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
-        claim_gate: ClaimGate | None = None,
     ) -> None:
         self.core = core
-        # With a claims directory, a learned claim is written there before its reply is
-        # relayed (design §10); None: the local table's alone.
-        self.claim_gate = claim_gate
         self.sessions = sessions
         self.forwarder = forwarder
         # Probes a worker whose forward failed and retires it if nothing listens.
@@ -734,7 +730,7 @@ class PublicHandler(ExchangeOwner):
             clock=self._clock,
             wall_clock=self._wall_clock,
             metrics=self.metrics,
-            gate=self.claim_gate,
+            gate=self.fleet,
         )
 
 

@@ -250,7 +250,6 @@ class RouterService:
         secret = config.peer.secret.encode()
         self.control.claim_gate = fleet
         for handler, peer_side in ((self.handler, False), (peer_handler, True)):
-            handler.claim_gate = fleet
             handler.fleet = fleet
             handler.peer_secret = secret
             handler.peer_side = peer_side

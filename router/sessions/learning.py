@@ -15,7 +15,7 @@ call) pay nothing. `ReplyLearner` is the observer the forwarder shows the reply
 to; it changes the claim table through the core, before the client sees the
 reply. Pure: no I/O, `now` comes from the caller.
 
-With a claims directory (a `ClaimGate`, design §10) a key the local table does not
+With a claims directory (a `BatchClaimGate`, design §10) a key the local table does not
 know is learned only once the directory holds it: `head` and `body` then set
 `directory_write`, which the forwarder awaits before it relays the reply (False: the
 client gets 503 instead of it), and a close's 2xx tells the gate of what it ended.
@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from router.core import ClaimState, RouterCore, Worker
 from router.directory.errors import DirectoryError
-from router.directory.gate import ClaimGate
+from router.directory.gate import BatchClaimGate
 from router.directory.records import ClaimVerdict
 from router.sessions.formats import FormatError, mcp_session_key
 from router.sessions.reader import Headers, SessionKind, SessionReader, SessionRef, session_key
@@ -144,7 +144,7 @@ class ReplyLearner:
         clock: Callable[[], float],
         wall_clock: Callable[[], float],
         metrics: LearningCounts | None = None,
-        gate: ClaimGate | None = None,
+        gate: BatchClaimGate | None = None,
     ) -> None:
         self._plan = plan
         self._gate = gate
@@ -269,26 +269,30 @@ class ReplyLearner:
             return
         self._learn_locally(kind_name, key)
 
-    async def _write_through_gate(self, gate: ClaimGate) -> bool:
+    async def _write_through_gate(self, gate: BatchClaimGate) -> bool:
         """Claims the keys this reply taught in the directory, and learns those it took;
-        False when it did not answer in time (the reply must not reach the client: its
-        session would route nowhere). Keys taught by the body after the head are in the
-        list by the time the forwarder awaits this."""
-        for kind_name, key in self._unwritten:
-            try:
-                outcome = await gate.claim(kind_name, key)
-            except DirectoryError as error:
+        False when it did not answer in time for one of them (the reply must not reach
+        the client: its session would route nowhere). Keys taught by the body after the
+        head are in the list by the time the forwarder awaits this. All of them go in
+        one call (batched with the other claims of this loop turn), not a round trip a
+        key; a key the directory took is learned even when another's call failed, so
+        the local table holds what the directory says this router holds."""
+        keys = list(self._unwritten)
+        answers = await gate.claim_each(keys)
+        written = True
+        for (kind_name, key), answer in zip(keys, answers, strict=True):
+            if isinstance(answer, DirectoryError):
                 log.warning(
                     "learned claim not written: the claims directory did not answer",
-                    extra={"kind": kind_name, "worker": self._worker.id, "error": str(error)},
+                    extra={"kind": kind_name, "worker": self._worker.id, "error": str(answer)},
                 )
-                return False
-            if outcome.verdict is ClaimVerdict.CLAIMED:
+                written = False
+            elif answer.verdict is ClaimVerdict.CLAIMED:
                 self._learn_locally(kind_name, key)
             else:
                 self._core.learn_conflicts += 1  # as core.learn counts a local refusal
-                self._refused(kind_name, outcome.verdict.value, outcome.holder)
-        return True
+                self._refused(kind_name, answer.verdict.value, answer.holder)
+        return written
 
     def _learn_locally(self, kind_name: str, key: str) -> None:
         refusal = self._core.learn(self._worker, kind_name, key, self._clock())
