@@ -54,6 +54,7 @@ class ScriptedRouter:
         self.drained: dict[str, bool] = {}
         self.silent = False
         self.hangups_after_hello = 0  # this many connections are closed right after their hello
+        self.key_prefix: object = None  # offered in the hello reply when not None
         self._servers: list[asyncio.Server] = []
 
     # -- levers --
@@ -166,7 +167,10 @@ class ScriptedRouter:
             self._retire(worker, "worker_exited")
         self.boots[worker] = boot
         session.worker = worker
-        return {"ok": True, "router": self.router_id}
+        reply: Message = {"ok": True, "router": self.router_id}
+        if self.key_prefix is not None:
+            reply["key_prefix"] = self.key_prefix
+        return reply
 
     def _pair(self, message: Message) -> Pair | Message:
         kind, key = message.get("kind", "episode"), message.get("key")

@@ -400,6 +400,9 @@ class DirectoryConfig:
     min_replicas: int | None = None
     # Redis AUTH, from password_env / password_file (never inline).
     password: str | None = None
+    # Off: keys are looked up. On: the hello reply offers "<router id>:<epoch>:", and a
+    # key that starts with a live peer's goes there with no lookup (design §10).
+    key_prefix: bool = False
 
     @property
     def replicas_to_wait_for(self) -> int:

@@ -85,7 +85,7 @@ _LIMITS_KEYS: Final = (
 _TIMEOUTS_KEYS: Final = ("connect_s", "first_byte_s", "stream_idle_s", "shutdown_grace_s")
 _DIRECTORY_KEYS: Final = (
     *("url", "sentinel", "router_id", "prefix", "lease_ttl_s", "lookup_timeout_ms"),
-    *("claim_timeout_s", "min_replicas", "password_env", "password_file"),
+    *("claim_timeout_s", "min_replicas", "password_env", "password_file", "key_prefix"),
 )
 _PEER_KEYS: Final = ("listen", "advertise", "secret_env", "secret_file")
 # Router ids and prefixes go into Redis keys (design §10): a pod name fits.
@@ -213,6 +213,7 @@ def _directory(root: Section) -> DirectoryConfig | None:
         claim_timeout_s=sec.seconds("claim_timeout_s", d.claim_timeout_s),
         min_replicas=sec.optional_integer("min_replicas", 0, 16),
         password=password[1].decode("utf-8", "surrogateescape") if password else None,
+        key_prefix=sec.flag("key_prefix", d.key_prefix),
     )
 
 

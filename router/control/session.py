@@ -340,7 +340,11 @@ class ControlSession:
         self.worker = worker
         worker.lease = self
         self._sync_pending = None  # a sync left unfinished before this hello is void
-        return {"id": rid, "ok": True, "router": self.policy.router_boot}
+        reply: Reply = {"id": rid, "ok": True, "router": self.policy.router_boot}
+        prefix = self.gate.key_prefix() if self.gate is not None else None
+        if prefix is not None:
+            reply["key_prefix"] = prefix  # for the keys this worker mints (design §10)
+        return reply
 
     def _hello_refusal(
         self, request: dict[str, Any], worker_id: str, address: UpstreamAddress, boot: str

@@ -34,6 +34,7 @@ from router.directory.records import (
     KeyLookup,
     LookupBatch,
     Member,
+    Membership,
     Registration,
     ReleaseVerdict,
     Standing,
@@ -193,14 +194,25 @@ class Directory:
 
     async def members(self) -> tuple[Member, ...]:
         """The membership: every router's current incarnation, lease and peer."""
-        raw = await self._guarded(
-            self._redis.hgetall(self.layout.members()),  # type: ignore[arg-type]
-            self.settings.claim_timeout_s,
-        )
+        return (await self.membership()).members
+
+    async def membership(self) -> Membership:
+        """The membership and the directory's time as it was read (one round trip), so
+        the leases in it can be counted on a router's own clock."""
+        pipeline = self._redis.pipeline(transaction=False)
+        pipeline.hgetall(self.layout.members())
+        pipeline.time()
+        replies = await self._guarded(pipeline.execute(), self.settings.claim_timeout_s)
+        if not isinstance(replies, list) or len(replies) != 2:
+            raise DirectoryReplyError(f"the membership read answered {replies!r}")
+        raw, clock = replies
         if not isinstance(raw, dict):
             raise DirectoryReplyError(f"membership is not a hash: {raw!r}")
+        if not (isinstance(clock, tuple | list) and len(clock) == 2):
+            raise DirectoryReplyError(f"TIME answered {clock!r}")
         members = (decode_member(str(r), str(v)) for r, v in raw.items())
-        return tuple(sorted(members, key=lambda member: member.router_id))
+        ordered = tuple(sorted(members, key=lambda member: member.router_id))
+        return Membership(ordered, int(clock[0]) * 1000 + int(clock[1]) // 1000)
 
     async def close(self) -> None:
         """Let the batches in flight finish (each under its deadline)."""

@@ -39,3 +39,7 @@ class BatchClaimGate(ClaimGate, Protocol):
         """`claim` for each of `keys` at once, in order: each key's outcome, or the
         DirectoryError that kept it from being written in time. Never raises that."""
         ...
+
+    def key_prefix(self) -> str | None:
+        """The key prefix a hello reply offers (design §10), or None for none."""
+        ...

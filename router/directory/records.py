@@ -152,6 +152,14 @@ class Member:
 
 
 @dataclass(frozen=True, slots=True)
+class Membership:
+    """The membership as one read saw it, with the directory's time of that read."""
+
+    members: tuple[Member, ...]
+    now_ms: int
+
+
+@dataclass(frozen=True, slots=True)
 class SweepReport:
     declared_dead: int  # incarnations whose lease lapsed, certified dead by this sweep
     expired: int  # owner records of dead incarnations given their tombstone TTL

@@ -46,6 +46,9 @@ class DirectorySettings:
     # 1,000 records a call: a dead router's records get their TTL a chunk at a time, each
     # chunk about a millisecond of Redis time.
     reap_chunk: int = 1000
+    # Off by default: with it, the hello reply offers this incarnation's key prefix, and
+    # keys that start with a live peer's are routed from the membership (design §10).
+    key_prefixes: bool = False
 
     def __post_init__(self) -> None:
         check_name("router_id", self.router_id)

@@ -35,13 +35,17 @@ from router.directory import (
     LookupResult,
     LookupState,
     Member,
+    Owner,
+    OwnerState,
     RequestMeaning,
     Standing,
     TrackedLookups,
     cancel_and_wait,
     meaning_of,
 )
+from router.fleet.prefixes import PrefixRoutes
 from router.metrics import FleetFigures
+from router.protocol.key_prefix import key_prefix
 
 log = logging.getLogger("episode_router.fleet")
 
@@ -71,6 +75,7 @@ class FleetCounts:
     peer_refused: dict[str, int] = field(default_factory=dict)  # by reason
     lookup_seconds_count: int = 0
     lookup_seconds_sum: float = 0.0
+    prefix_routes: int = 0  # keys routed from the prefix that names their router
 
     def peer_forward(self, outcome: str) -> None:
         self.peer_forwards[outcome] = self.peer_forwards.get(outcome, 0) + 1
@@ -127,6 +132,8 @@ class FleetLink:
         self._watching: asyncio.Task[None] | None = None
         self._stopping = False
         self.members: tuple[Member, ...] = ()
+        # With `key_prefixes`: the other routers' live incarnations, from the membership.
+        self._prefixes = PrefixRoutes(self.router_id) if self.settings.key_prefixes else None
         # The tracked lookup connection and its cache (standalone Redis), if any.
         self.tracking: TrackedLookups | None = None
 
@@ -142,6 +149,14 @@ class FleetLink:
         the first registration)."""
         epoch = self.directory.epoch
         return f"{self.router_id}:{epoch}" if epoch is not None else ""
+
+    def key_prefix(self) -> str | None:
+        """The prefix the hello reply offers workers (`directory.key_prefix`): this
+        incarnation's, once registered; None when off or not registered."""
+        epoch = self.directory.epoch
+        if self._prefixes is None or epoch is None:
+            return None
+        return key_prefix(self.router_id, epoch)
 
     @property
     def registered(self) -> bool:
@@ -298,6 +313,9 @@ class FleetLink:
 
     async def claim(self, kind: str, key: str) -> ClaimOutcome:
         """ClaimGate: write this router's owner record of `key`."""
+        refused = self._named_elsewhere(key)
+        if refused is not None:
+            return refused
         try:
             return await self.directory.claim_one(kind, key)
         except DirectoryError:
@@ -309,6 +327,13 @@ class FleetLink:
     ) -> list[ClaimOutcome | DirectoryError]:
         """BatchClaimGate: write this router's owner records of `keys` (one control
         read's claims): each key's outcome, or the error that kept it unwritten."""
+        if self._prefixes is not None:
+            return await self._claim_unless_named_elsewhere(keys)
+        return await self._claim_each(keys)
+
+    async def _claim_each(
+        self, keys: Sequence[tuple[str, str]]
+    ) -> list[ClaimOutcome | DirectoryError]:
         answers = await self.directory.claim_each(keys)
         for index, answer in enumerate(answers):
             if isinstance(answer, ClaimOutcome):
@@ -318,6 +343,29 @@ class FleetLink:
                 log.error("a directory claim failed", exc_info=answer)
                 answers[index] = DirectoryUnavailable(f"the claim failed: {answer!r}")
         return cast("list[ClaimOutcome | DirectoryError]", answers)
+
+    async def _claim_unless_named_elsewhere(
+        self, keys: Sequence[tuple[str, str]]
+    ) -> list[ClaimOutcome | DirectoryError]:
+        """`claim_each` where keys may carry another router's prefix: those are refused
+        here, the rest claimed in the directory."""
+        outcomes: list[ClaimOutcome | DirectoryError | None] = [
+            self._named_elsewhere(key) for _kind, key in keys
+        ]
+        asked = [index for index, outcome in enumerate(outcomes) if outcome is None]
+        if asked:
+            answers = await self._claim_each([keys[index] for index in asked])
+            for index, answer in zip(asked, answers, strict=True):
+                outcomes[index] = answer
+        return cast("list[ClaimOutcome | DirectoryError]", outcomes)
+
+    def _named_elsewhere(self, key: str) -> ClaimOutcome | None:
+        """`conflict` for a key whose prefix names another member of the fleet: the fleet
+        routes it there, so this router must not hold it (design §10)."""
+        if self._prefixes is None:
+            return None
+        other = self._prefixes.other_router(key)
+        return ClaimOutcome(ClaimVerdict.CONFLICT, holder=other) if other is not None else None
 
     def released(self, kind: str, key: str) -> None:
         """ClaimGate: mark `key`'s record ended, in the background: the releases of one
@@ -356,16 +404,29 @@ class FleetLink:
             return None
         found = self.directory.cached(kind, key)
         if found is None:
-            return None
+            return self._by_prefix(key) if self._prefixes is not None else None
         meaning = self._meaning(found, epoch)
         if found.result.state is LookupState.HELD and meaning is not RequestMeaning.PEER:
             return None  # ours, of this incarnation or one before: the directory says
         self._count_lookup(meaning)
         return Lookup(meaning, found.result, cached=True)
 
+    def _by_prefix(self, key: str) -> Lookup | None:
+        """The owner a key's prefix names, if the membership holds it live: a hop to it
+        with no lookup (handled as a cached answer: a failed hop asks the directory)."""
+        assert self._prefixes is not None
+        member = self._prefixes.owner(key, self._clock())
+        if member is None:
+            return None
+        self.counts.prefix_routes += 1
+        owner = Owner(member.router_id, member.epoch, OwnerState.HELD)
+        return Lookup(RequestMeaning.PEER, LookupResult(LookupState.HELD, owner, member.peer), True)
+
     def forget(self, kind: str, key: str) -> None:
         """A hop to the owner a lookup named failed: that answer is not given again."""
         self.directory.forget(kind, key)
+        if self._prefixes is not None:
+            self._prefixes.drop(key)
 
     async def lookup(self, kind: str, key: str) -> Lookup:
         """What a key the local table does not know means (never raises), for a key
@@ -390,8 +451,13 @@ class FleetLink:
         return Lookup(meaning, found.result)
 
     async def refresh_members(self) -> Sequence[Member]:
-        """The membership, for /admin/routers and status (raises DirectoryError)."""
-        self.members = await self.directory.members()
+        """The membership, for /admin/routers and status (raises DirectoryError), and
+        the prefix routes."""
+        sent_at = self._clock()
+        membership = await self.directory.membership()
+        self.members = membership.members
+        if self._prefixes is not None:
+            self._prefixes.update(membership.members, membership.now_ms, sent_at)
         return self.members
 
     def figures(self) -> FleetFigures:
@@ -410,6 +476,7 @@ class FleetLink:
             members=live,
             lookup_seconds_count=counts.lookup_seconds_count,
             lookup_seconds_sum=counts.lookup_seconds_sum,
+            prefix_routes=counts.prefix_routes,
         )
 
     def _meaning(self, found: KeyLookup, epoch: int) -> RequestMeaning:

@@ -52,6 +52,7 @@ class FleetFigures(NamedTuple):
     members: int
     lookup_seconds_count: int
     lookup_seconds_sum: float
+    prefix_routes: int = 0
 
 
 class FleetCollector(Collector):
@@ -131,6 +132,12 @@ def _families(figures: FleetFigures) -> Iterator[Metric]:
         f"{NAMESPACE}_fleet_members",
         "Routers with a live lease at the last membership read (this one included).",
         value=figures.members,
+    )
+    yield CounterMetricFamily(
+        f"{NAMESPACE}_directory_prefix_routes",
+        "Keys this router's table did not know, sent to the router their prefix names "
+        "(directory.key_prefix), with no lookup.",
+        value=figures.prefix_routes,
     )
     yield SummaryMetricFamily(
         f"{NAMESPACE}_directory_lookup_seconds",

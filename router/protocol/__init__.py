@@ -1,6 +1,7 @@
 """The wire contracts the router and its workers share (design §3): the control
-protocol's lines, versions and limits, the grammar of worker and control addresses, and
-the boot header. Pure: no sockets, no event loop; imported by both sides.
+protocol's lines, versions and limits, the grammar of worker and control addresses, the
+boot header and the key prefix a hello may offer. Pure: no sockets, no event loop;
+imported by both sides.
 """
 
 from __future__ import annotations
@@ -36,11 +37,18 @@ from router.protocol.control import (
     encoded_size,
     error_reply,
 )
+from router.protocol.key_prefix import (
+    MAX_KEY_PREFIX_CHARS,
+    key_prefix,
+    split_key_prefix,
+    valid_key_prefix,
+)
 
 __all__ = [
     "BOOT_HEADER",
     "HTTP",
     "MAX_KEY_CHARS",
+    "MAX_KEY_PREFIX_CHARS",
     "MAX_LINE_BYTES",
     "PROTOCOL_VERSION",
     "TCP",
@@ -58,9 +66,12 @@ __all__ = [
     "is_ip",
     "is_loopback_host",
     "is_loopback_upstream",
+    "key_prefix",
     "parse_upstream",
     "read_control_address",
     "same_upstream",
     "split_host_port",
+    "split_key_prefix",
     "valid_boot",
+    "valid_key_prefix",
 ]

@@ -192,6 +192,7 @@ def directory_settings(config: Config, peer_address: str) -> DirectorySettings:
         claim_timeout_s=directory.claim_timeout_s,
         tombstone_ttl_s=config.claims.tombstone_ttl_s,
         min_replicas=directory.replicas_to_wait_for,
+        key_prefixes=directory.key_prefix,
     )
 
 

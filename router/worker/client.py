@@ -38,6 +38,7 @@ from router.protocol import (
     Reply,
     encode_line,
     valid_boot,
+    valid_key_prefix,
 )
 
 # The ASGI type aliases and SYNC_BATCH_CLAIMS are not in __all__ but were importable
@@ -134,6 +135,10 @@ class ControlClient:
             raise ValueError("boot must be 1-128 visible ASCII characters, no spaces")
         self.boot = boot if boot is not None else secrets.token_hex(8)
         self.router_id: str | None = None
+        # What the router's last hello reply offered to start minted keys with (design
+        # §10, `directory.key_prefix`): its incarnation, so any router of the fleet
+        # routes them with no lookup. None: it offered none.
+        self.key_prefix: str | None = None
         self.ping_interval_s = ping_interval_s
         self.reconnect_max_s = reconnect_max_s
         self._secret = secret
@@ -166,6 +171,13 @@ class ControlClient:
             raise ValueError("no worker id given and EPISODE_ROUTER_WORKER_ID is not set")
         secret = os.environ.get("EPISODE_ROUTER_SECRET") or None
         return cls(address, worker_id=worker_id, url=url, secret=secret)
+
+    def mint_key(self) -> str:
+        """A new random key (128 bits) for an episode this worker starts, begun with the
+        router's key prefix when its hello reply offered one: claim it, then put it in
+        the episode's token (`ep`) or session. It fits a token's `ep` (at most 128
+        characters) while the router id and its epoch take 94 characters or fewer."""
+        return f"{self.key_prefix or ''}{secrets.token_hex(16)}"
 
     @property
     def held(self) -> frozenset[Claim]:
@@ -344,6 +356,8 @@ class ControlClient:
         if new_router and self.router_id is not None:
             log.warning("the router restarted; re-syncing %d claims", len(self._held))
         self.router_id = router_id if isinstance(router_id, str) else None
+        offered = reply.get("key_prefix")
+        self.key_prefix = offered if valid_key_prefix(offered) else None
         try:
             # Sync after every hello, the first one too (with what may be an empty
             # set): after a restart, the router counts workers that synced to end

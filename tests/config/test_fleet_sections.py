@@ -41,6 +41,13 @@ def test_a_fleet_config_with_its_defaults() -> None:
     assert settings.router_id == "router-7f9c-abcde" and settings.min_replicas == 0
     assert settings.tombstone_ttl_s == config.claims.tombstone_ttl_s
     assert directory_target(config) == "redis://127.0.0.1:6379/0"
+    assert not directory.key_prefix and not settings.key_prefixes  # keys are looked up
+
+
+def test_key_prefixes_are_turned_on_by_directory_key_prefix() -> None:
+    config = parse("directory: {url: redis://127.0.0.1:6379/0, key_prefix: true}\n" + PEER)
+    assert config.directory is not None and config.directory.key_prefix
+    assert directory_settings(config, "127.0.0.1:9903").key_prefixes
 
 
 def test_sentinel_waits_for_one_replica_by_default_and_the_password_comes_from_the_env() -> None:
@@ -85,6 +92,11 @@ def test_sentinel_waits_for_one_replica_by_default_and_the_password_comes_from_t
             "1.5",
         ),
         ("directory: {url: redis://a:1/0, password: x}\n" + PEER, "directory.password", "inline"),
+        (
+            "directory: {url: redis://a:1/0, key_prefix: 'yes'}\n" + PEER,
+            "directory.key_prefix",
+            "true or false",
+        ),
         (
             "directory: {sentinel: {master: m, nodes: []}}\n" + PEER,
             "directory.sentinel.nodes",

@@ -49,6 +49,7 @@ class HeldGate:
         self.calls: list[list[tuple[str, str]]] = []  # the keys of each call, in order
         self.waiting: dict[tuple[str, str], asyncio.Future[ClaimOutcome]] = {}
         self.released_keys: list[tuple[str, str]] = []
+        self.prefix: str | None = None  # what the hello reply offers
 
     async def claim(self, kind: str, key: str) -> ClaimOutcome:
         self.calls.append([(kind, key)])
@@ -69,6 +70,9 @@ class HeldGate:
 
     def released(self, kind: str, key: str) -> None:
         self.released_keys.append((kind, key))
+
+    def key_prefix(self) -> str | None:
+        return self.prefix
 
     def answer(self, key: str, outcome: ClaimOutcome | Exception = CLAIMED) -> None:
         waiter = self.waiting.pop(("episode", key))
@@ -99,6 +103,9 @@ class DirectoryGate:
         task = asyncio.get_running_loop().create_task(self.directory.release_one(kind, key))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
+
+    def key_prefix(self) -> str | None:
+        return None
 
     async def settled(self) -> None:
         await asyncio.gather(*self._releases, return_exceptions=True)
@@ -152,6 +159,20 @@ async def _asked(gate: HeldGate, count: int) -> None:
 
 
 # --- a fake gate: ordering, the cap, releases behind claims ---------------------------------
+
+
+async def test_the_hello_reply_offers_the_gates_key_prefix_when_it_has_one(
+    tmp_path: Path,
+) -> None:
+    gate = HeldGate()
+    async with served(tmp_path, gate) as (_core, address):
+        lease = await RawLease.open(address)
+        reply = await lease.hello("w0", URL, "boot-1")
+        assert reply["ok"] and "key_prefix" not in reply  # none offered: none said
+        gate.prefix = "r1:7:"
+        reply = await lease.hello("w0", URL, "boot-1")  # a hello again, on the same lease
+        assert reply["ok"] and reply["key_prefix"] == "r1:7:"
+        lease.abort()
 
 
 async def test_replies_keep_request_order_while_a_claim_waits(tmp_path: Path) -> None:

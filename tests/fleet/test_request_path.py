@@ -9,6 +9,7 @@ not know: the peer hop, the 410s, the 503s, and the peer listener's refusals.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import secrets
 import shutil
@@ -25,6 +26,7 @@ from router.config import Config, DirectoryConfig, PeerConfig
 from router.directory import Directory, DirectorySettings, open_redis
 from router.fleet import PEER_HEADER, sign
 from router.service.router_service import RouterService
+from router.worker import ControlError
 from tests.directory import conftest as directory_fixtures
 from tests.directory.conftest import RedisServer
 from tests.router_fixtures import (
@@ -42,7 +44,9 @@ LEASE_S = 1.5  # the shortest the config takes: a fleet settles, a lease lapses,
 PEER_SECRET = secrets.token_hex(16)
 
 
-def fleet_config(tmp_path: Path, redis: RedisServer, router_id: str) -> Config:
+def fleet_config(
+    tmp_path: Path, redis: RedisServer, router_id: str, *, key_prefix: bool = False
+) -> Config:
     folder = tmp_path / router_id
     folder.mkdir()
     config = router_config(folder)
@@ -50,7 +54,11 @@ def fleet_config(tmp_path: Path, redis: RedisServer, router_id: str) -> Config:
         config,
         # A lookup deadline a loaded machine meets (the default, 50 ms, is tested apart).
         directory=DirectoryConfig(
-            url=redis.url, router_id=router_id, lease_ttl_s=LEASE_S, lookup_timeout_ms=500
+            url=redis.url,
+            router_id=router_id,
+            lease_ttl_s=LEASE_S,
+            lookup_timeout_ms=500,
+            key_prefix=key_prefix,
         ),
         peer=PeerConfig("127.0.0.1", 0, None, PEER_SECRET),
     )
@@ -70,8 +78,10 @@ class Fleet:
         self.routers: dict[str, RouterService] = {}
         self.workers: dict[str, EchoWorker] = {}
 
-    async def start(self, tmp_path: Path, redis: RedisServer, router_id: str) -> RouterService:
-        service = RouterService(fleet_config(tmp_path, redis, router_id))
+    async def start(
+        self, tmp_path: Path, redis: RedisServer, router_id: str, *, key_prefix: bool = False
+    ) -> RouterService:
+        service = RouterService(fleet_config(tmp_path, redis, router_id, key_prefix=key_prefix))
         await service.start()
         self.stack.push_async_callback(self._stop, service)
         assert service.fleet is not None
@@ -107,14 +117,22 @@ class Fleet:
             return Reply(reply.status, reply.headers, await reply.read())
 
 
-@pytest.fixture
-async def fleet(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[Fleet]:
+@contextlib.asynccontextmanager
+async def two_routers(
+    tmp_path: Path, redis_server: RedisServer, *, key_prefix: bool = False
+) -> AsyncIterator[Fleet]:
     async with AsyncExitStack() as stack:
         http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         stack.push_async_callback(http.close)
         fleet = Fleet(stack, http)
-        await fleet.start(tmp_path, redis_server, "r1")
-        await fleet.start(tmp_path, redis_server, "r2")
+        await fleet.start(tmp_path, redis_server, "r1", key_prefix=key_prefix)
+        await fleet.start(tmp_path, redis_server, "r2", key_prefix=key_prefix)
+        yield fleet
+
+
+@pytest.fixture
+async def fleet(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[Fleet]:
+    async with two_routers(tmp_path, redis_server) as fleet:
         yield fleet
 
 
@@ -507,3 +525,78 @@ async def test_a_router_restarted_within_its_lease_keeps_its_episodes_fleet_wide
     await wait_until(served_again, "the worker to sync with the restarted router", 10.0)
     assert set(answers) <= {200, 503}, answers
     assert (await fleet.call("r1", tok)).worker == "r1-w0"
+
+
+@pytest.fixture
+async def prefixed_fleet(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[Fleet]:
+    """Two routers with `directory.key_prefix: true`."""
+    async with two_routers(tmp_path, redis_server, key_prefix=True) as fleet:
+        for service in fleet.routers.values():
+            assert service.fleet is not None
+            await service.fleet.refresh_members()  # each sees the other (a beat would)
+        yield fleet
+
+
+async def test_a_key_that_names_its_router_is_forwarded_with_no_lookup(
+    prefixed_fleet: Fleet, redis_server: RedisServer
+) -> None:
+    fleet = prefixed_fleet
+    r1, r2 = fleet.routers["r1"].fleet, fleet.routers["r2"].fleet
+    assert r1 is not None and r2 is not None
+    client = fleet.workers["r1"].client
+    assert client is not None
+    # The hello reply offered r1's incarnation; the bundled client mints keys with it.
+    assert client.key_prefix == f"r1:{r1.directory.epoch}:"
+    ep = client.mint_key()
+    assert ep.startswith(client.key_prefix) and len(ep) == len(client.key_prefix) + 32
+    tok, key = an_episode(ep)
+    await fleet.workers["r1"].claim(key)
+    calls = redis_server.script_calls()
+    for _ in range(3):
+        reply = await fleet.call("r2", tok)
+        assert reply.status == 200, reply
+        assert reply.worker == "r1-w0"
+    # From the membership alone: no lookup, the hop as any other.
+    assert r2.counts.lookup_seconds_count == 0 and r2.counts.lookups == {}
+    assert r2.counts.prefix_routes == 3
+    assert r2.counts.peer_forwards == {"forwarded": 3}
+    assert redis_server.script_calls() - calls <= 8  # the heartbeats' and sweeps' only
+    admin = fleet.routers["r2"].admin_port
+    async with fleet.http.get(f"http://127.0.0.1:{admin}/metrics") as metrics:
+        assert "episode_router_directory_prefix_routes_total 3.0" in await metrics.text()
+
+
+async def test_a_worker_may_not_claim_a_key_that_names_another_router(
+    prefixed_fleet: Fleet,
+) -> None:
+    fleet = prefixed_fleet
+    r1 = fleet.routers["r1"].fleet
+    assert r1 is not None
+    client = fleet.workers["r2"].client
+    assert client is not None
+    key = episode_key(f"r1:{r1.directory.epoch}:{secrets.token_hex(8)}", 0)
+    with pytest.raises(ControlError) as refused:
+        await client.claim(key)
+    assert refused.value.error == "conflict"
+    assert refused.value.reply.get("holder") == "r1"
+    # A key that merely looks prefixed (no member of that name) is claimed as any other.
+    await client.claim(episode_key(f"user:42:{secrets.token_hex(8)}", 0))
+
+
+async def test_a_prefixed_key_whose_router_stopped_is_410_at_once(prefixed_fleet: Fleet) -> None:
+    fleet = prefixed_fleet
+    client = fleet.workers["r1"].client
+    assert client is not None
+    tok, key = an_episode(client.mint_key())
+    await fleet.workers["r1"].claim(key)
+    assert (await fleet.call("r2", tok)).status == 200
+    await fleet.routers["r1"].stop()  # its certificate is written, its listener closed
+    # The hop from the prefix cannot reach r1: the directory is asked, and says dead.
+    (await fleet.call("r2", tok)).assert_answer(410, "worker_exited", key)
+    r2 = fleet.routers["r2"].fleet
+    assert r2 is not None
+    assert r2.counts.lookups == {"worker_exited": 1}
+    # The incarnation was dropped from the prefix routes: the next call is looked up
+    # (and answered from the cached dead answer), with no hop.
+    (await fleet.call("r2", tok)).assert_answer(410, "worker_exited", key)
+    assert r2.counts.prefix_routes == 2

@@ -240,6 +240,22 @@ async def test_first_hello_carries_version_worker_url_and_boot_then_an_empty_syn
     assert client.held == frozenset()
 
 
+async def test_minted_keys_start_with_the_prefix_the_last_hello_offered(
+    router: ScriptedRouter, client: ControlClient
+) -> None:
+    assert client.key_prefix is None  # none offered
+    plain = client.mint_key()
+    assert len(plain) == 32 and int(plain, 16) >= 0 and plain != client.mint_key()
+    router.key_prefix = "r1:7:"
+    await router.drop_connections()
+    await eventually(lambda: client.key_prefix == "r1:7:" and client.connected)
+    assert client.mint_key().startswith("r1:7:") and len(client.mint_key()) == 5 + 32
+    router.key_prefix = "r1:7:../x"  # not a prefix: the keys go without one
+    await router.drop_connections()
+    await eventually(lambda: len(router.sessions) == 3 and client.connected)
+    assert client.key_prefix is None
+
+
 async def test_claim_and_release_are_acknowledged(
     router: ScriptedRouter, client: ControlClient
 ) -> None:
