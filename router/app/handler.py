@@ -27,7 +27,7 @@ from router.app.exchange import (
 from router.core import Answer, Claim, ClaimState, Forward, RouterCore, Worker
 from router.directory import RequestMeaning
 from router.edge import BodyBroken, PublicRequest, framing_problem
-from router.edge.head_text import host_text
+from router.edge.head_text import forwarded_host_text
 from router.fleet import (
     PEER_HEADER,
     FleetLink,
@@ -221,12 +221,8 @@ class PublicHandler(ExchangeOwner):
                         return self._look_up_and_route(exchange, kind, key)
                     # The lookup cache's answer: acted on at once, no task for it, and a
                     # hop to its owner on the relay's lane when it can go at once.
-                    if (
-                        lane
-                        and found_there.meaning is RequestMeaning.PEER
-                        and self._start_hop(exchange, kind, key, found_there)
-                    ):
-                        return _ON_THE_LANE
+                    if lane and found_there.meaning is RequestMeaning.PEER:
+                        return self._hop_from_the_cache(exchange, kind, key, found_there)
                     return self._settle(exchange, kind, key, found_there, None)
                 if claim is not None and self._lease_lapsed(exchange, claim, key):
                     return None
@@ -294,7 +290,7 @@ class PublicHandler(ExchangeOwner):
         # and the origin a Location is rewritten to are the client's.
         forwarded_host = request.getall("X-Forwarded-Host", [])
         if len(forwarded_host) == 1:
-            host = host_text(forwarded_host[0].encode("latin-1", "replace"))
+            host = forwarded_host_text(forwarded_host[0].encode("latin-1", "replace"))
             if host:
                 request.host = host
                 request.authority = host
@@ -334,22 +330,28 @@ class PublicHandler(ExchangeOwner):
             return None
         return self._decide(exchange, kind, key)
 
-    def _start_hop(self, exchange: Exchange, kind: str, key: str, found: Lookup) -> bool:
+    def _hop_from_the_cache(
+        self, exchange: Exchange, kind: str, key: str, found: Lookup
+    ) -> OnTheLane | Coroutine[Any, Any, None]:
         """The hop to the router that holds `key` on the relay's lane (`Forwarder.start`),
         when it can go at once; its 421 goes the coroutine path, to be held back
-        (`PeerHop`). False when it cannot (nothing was sent: `_to_peer` it instead)."""
+        (`PeerHop`). When it cannot (nothing was sent), the hop as a coroutine, with the
+        header signed once for both."""
         assert found.result is not None and found.result.peer
+        header = self._hop_header(exchange, kind, key, found)
         hop = PeerHop(self, exchange, kind, key, found)
-        return self.forwarder.start(
+        if self.forwarder.start(
             exchange.request,
             self._peer_upstream(found.result.peer),
             hop,
-            extra_headers={PEER_HEADER: self._hop_header(exchange, kind, key, found)},
+            extra_headers={PEER_HEADER: header},
             public_base=None,
             body=exchange.body,
             observer=hop,
             observed_status=421,
-        )
+        ):
+            return _ON_THE_LANE
+        return self._to_peer(exchange, kind, key, found, header=header)
 
     def hop_done(self, hop: PeerHop, result: int | Coroutine[Any, Any, int]) -> None:
         """The relay's callback for a hop on its lane (`PeerHop.lane_done`): the reply
@@ -375,12 +377,14 @@ class PublicHandler(ExchangeOwner):
         key: str,
         found: Lookup,
         started: Coroutine[Any, Any, int] | None = None,
+        header: str | None = None,
     ) -> None:
-        """The hop to the router that holds `key` as a coroutine, from its start or
-        from the rest of one its lane handed over (`started`)."""
+        """The hop to the router that holds `key` as a coroutine, from its start (its
+        peer header, if signed already) or from the rest of one its lane handed over
+        (`started`)."""
         self._decision_observed(exchange)
         try:
-            await self._forward_to_peer(exchange, kind, key, found, started)
+            await self._forward_to_peer(exchange, kind, key, found, started, header)
         except BodyBroken as broken:
             exchange.body_broke(broken)
         self._finish(exchange)
@@ -392,6 +396,7 @@ class PublicHandler(ExchangeOwner):
         key: str,
         found: Lookup,
         started: Coroutine[Any, Any, int] | None,
+        header: str | None,
     ) -> None:
         """The hop to the router that holds `key`. A peer that answers 421 `not_owner`
         (it registered again since the lookup) is never relayed: the client gets 503
@@ -403,7 +408,7 @@ class PublicHandler(ExchangeOwner):
         fleet = self.fleet
         assert fleet is not None
         if started is None:
-            hop = await self._hop(exchange, kind, key, found)
+            hop = await self._hop(exchange, kind, key, found, header)
         else:
             hop = await self._hop_outcome(exchange, kind, key, started)
         if hop != _RELAYED and found.cached:
@@ -438,12 +443,15 @@ class PublicHandler(ExchangeOwner):
             round(self._wall_clock() * 1000),
         )
 
-    async def _hop(self, exchange: Exchange, kind: str, key: str, found: Lookup) -> str:
-        """One hop to the router that holds `key`, signed, as a coroutine: what it came
-        to (`_hop_outcome`)."""
+    async def _hop(
+        self, exchange: Exchange, kind: str, key: str, found: Lookup, header: str | None = None
+    ) -> str:
+        """One hop to the router that holds `key`, signed (`header`, when it was already),
+        as a coroutine: what it came to (`_hop_outcome`)."""
         assert found.result is not None and found.result.peer
         request = exchange.request
-        header = self._hop_header(exchange, kind, key, found)
+        if header is None:
+            header = self._hop_header(exchange, kind, key, found)
         _continue_if_expected(request)
         hop = PeerHop(self, exchange, kind, key, found)
         forward = self.forwarder.forward(

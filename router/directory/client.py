@@ -184,8 +184,9 @@ class Directory:
         tracking = self._tracking
         if tracking is None:
             return None
-        now = asyncio.get_running_loop().time()
-        return tracking.cache.get(self.layout.owner(kind, key), now)
+        # The cache's clock is time.monotonic (tracking.py's too): the running loop's
+        # time would cost a getpid() system call a request to find the loop.
+        return tracking.cache.get(self.layout.owner(kind, key), time.monotonic())
 
     def forget(self, kind: str, key: str) -> None:
         """Drop the cached answer for a key (a hop to the owner it named failed)."""
@@ -263,7 +264,7 @@ class Directory:
         s = self.settings
         owners = self._owners(keys)
         generation = tracking.cache.generation  # what the cache knew when this went out
-        sent_at = asyncio.get_running_loop().time()
+        sent_at = time.monotonic()  # the cache's clock
         args = (self.layout.prefix, s.lease_ms, s.quiet_ms)
         reply = await self._guarded(tracking.lookup(owners, args), deadline_s)
         batch = decode_lookup(reply, len(keys))

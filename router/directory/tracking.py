@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -191,7 +192,7 @@ class TrackedLookups:
                 on = await lookups.call("CLIENT", "TRACKING", "ON", "REDIRECT", channel_id)
             if isinstance(on, hiredis.ReplyError):
                 raise DirectoryUnavailable(f"client tracking refused: {on}")
-            self._heard_at = loop.time()
+            self._heard_at = time.monotonic()
             self.sessions += 1
             self._lookups = lookups
             self.cache.switch_on()
@@ -215,17 +216,17 @@ class TrackedLookups:
 
     async def _ping(self, channel: _Connection) -> None:
         """PING the channel every PING_S (a subscribed connection answers it); give the
-        connections up after `reconnect_after_s` without a word."""
-        loop = asyncio.get_running_loop()
+        connections up after `reconnect_after_s` without a word (on time.monotonic, the
+        cache's clock)."""
         while not channel.closed.is_set():
-            if loop.time() - self._heard_at > self._reconnect_after_s:
+            if time.monotonic() - self._heard_at > self._reconnect_after_s:
                 log.warning("the directory's invalidation channel is silent: reconnecting")
                 return
             channel.send("PING")  # the pong is read, and heard, by the channel's reader
             await asyncio.sleep(PING_S)
 
     def _heard(self) -> None:
-        self._heard_at = asyncio.get_running_loop().time()
+        self._heard_at = time.monotonic()
         self.cache.heard(self._heard_at)
 
     def _went_down(self) -> None:

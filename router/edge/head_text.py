@@ -14,7 +14,7 @@ from typing import Final
 
 from router.edge.wire import split_target
 
-__all__ = ["HTTP_11", "host_text", "method_text", "target_of", "version_of"]
+__all__ = ["HTTP_11", "forwarded_host_text", "host_text", "method_text", "target_of", "version_of"]
 
 HTTP_11: Final = (1, 1)
 
@@ -50,6 +50,10 @@ class _LastRead:
 # decoding them (or looking the bytes up by hash), which cost more in on_header (Host)
 # and on_headers_complete (method, target).
 _LAST_HOST: Final = _LastRead()
+# A peer listener reads two Hosts a request (its own, from the edge, and the client's,
+# X-Forwarded-Host, which the sending router set): each has its own last read, or both
+# would miss every request.
+_LAST_FORWARDED_HOST: Final = _LastRead()
 _LAST_METHOD: Final = _LastRead(b"POST", "POST")
 _LAST_TARGET: Final = _LastRead()
 
@@ -63,7 +67,15 @@ def host_text(value: bytes) -> str | None:
     """A Host header's value as text, or None when it is no host and port (RFC 9112
     §3.2: 400), as nginx refuses one with a space in it. Checked only when the bytes
     change, like the rest: the same Host, request after request, is read once."""
-    last = _LAST_HOST
+    return _host_text(value, _LAST_HOST)
+
+
+def forwarded_host_text(value: bytes) -> str | None:
+    """`host_text` for the X-Forwarded-Host a peer hop carries (its own last read)."""
+    return _host_text(value, _LAST_FORWARDED_HOST)
+
+
+def _host_text(value: bytes, last: _LastRead) -> str | None:
     if value == last.raw:
         return last.text
     if _HOST_VALUE.fullmatch(value) is None:
