@@ -176,7 +176,10 @@ class UpstreamFailure(Exception):
         (connect or first-byte timeout) or "error" (anything else: reset, invalid reply...).
     detail: one human sentence about what happened.
     request_sent: False only when nothing of the request reached the worker, so the
-        request may safely be tried on another worker.
+        request may safely be tried on another worker; or when it may be sent again as
+        if nothing had (an idempotent request on a kept-alive connection the worker
+        closed before a byte of reply, whose connection opened to send it again was
+        refused: the worker is gone).
     """
 
     __slots__ = ("detail", "kind", "request_sent")

@@ -419,8 +419,11 @@ class Forwarder(LaneOwner):
         try:
             conn = await exchange.pool.reopen(conn, loop.time() + timeouts.connect_s)
         except (OSError, PoolClosed) as exc:
+            # Not sent, by the rule that allowed this retry: it may go again elsewhere
+            # (a worker or a peer router killed under it is then answered as one that
+            # cannot be reached, not as one that failed mid-request).
             exchange.conn = None
-            raise connect_failure(exc, timeouts, request_sent=True) from exc
+            raise connect_failure(exc, timeouts, request_sent=False) from exc
         exchange.conn = conn  # a client leaving now wakes this one's wait (client_lost)
         self._write_request(exchange, conn, message)
         return await self._reply_head(exchange, conn)

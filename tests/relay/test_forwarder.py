@@ -33,9 +33,10 @@ class ScriptedWorker:
         self.connections = 0
         self.requests: list[bytes] = []  # every request head read, in order
         self.port = 0
+        self.server: asyncio.Server | None = None
 
     async def start(self, stack: AsyncExitStack) -> Upstream:
-        server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        server = self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         stack.push_async_callback(server.wait_closed)
         stack.callback(server.close)
         self.port = server.sockets[0].getsockname()[1]
@@ -182,6 +183,34 @@ async def test_an_idempotent_request_is_retried_once_on_a_fresh_connection(
         [method, b"/2"],  # again, on a fresh one
     ]
     assert router.failures == []
+
+
+async def test_an_idempotent_request_whose_worker_died_under_it_may_be_sent_again(
+    stack: AsyncExitStack,
+) -> None:
+    # The worker (or a peer router) was killed: its kept-alive connection closes as the
+    # request goes in, and the retry's connect is refused. By the rule that allowed the
+    # retry, the request may be sent again: the failure says so (not sent), and the
+    # router may try elsewhere (another worker; another router's answer for a hop).
+    ref: list[ScriptedWorker] = []
+
+    async def dies(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await ref[0].request(reader)
+        writer.write(OK)
+        await writer.drain()
+        await ref[0].request(reader)
+        assert ref[0].server is not None
+        ref[0].server.close()  # nothing listens any more, then the connection closes
+
+    worker = ScriptedWorker(dies)
+    ref.append(worker)
+    router = await start_router(stack, await worker.start(stack))
+    await exchange(router.port, b"GET /1 HTTP/1.1\r\nHost: h\r\n\r\n")
+    reply = await exchange(router.port, b"GET /2 HTTP/1.1\r\nHost: h\r\n\r\n")
+    assert status_and_body(reply[0])[0] == b"HTTP/1.1 502 Bad Gateway"  # the stand-in's
+    [failure] = router.failures
+    assert (failure.kind, failure.request_sent) == ("refused", False)
+    assert (worker.connections, len(worker.requests)) == (1, 2)
 
 
 async def test_a_post_on_a_stale_connection_is_never_retried(stack: AsyncExitStack) -> None:
