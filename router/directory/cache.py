@@ -26,7 +26,11 @@ silent channel turns the cache off within that.
 The race of client-side caching: an invalidation may arrive on its channel before the
 reply of a lookup that was already in flight when the key changed. So each store
 names the cache's generation when its lookup went out, and a batch whose lookup saw
-an invalidation (or a loss) during its flight stores nothing. Pure: no I/O.
+an invalidation (or a loss) during its flight stores nothing. Only an owner record's
+invalidation counts (given `owner_prefix`): the lookup script reads the membership and
+the fleet record too, which every router's heartbeat rewrites every few seconds, and
+no kept answer depends on those after its lookup (a held one is kept within the lease
+that lookup read). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class LookupCache:
         "_max_entries",
         "_max_silence_s",
         "_on",
+        "_owner_prefix",
         "generation",
         "lease_ms",
     )
@@ -68,6 +73,7 @@ class LookupCache:
         lease_ms: int,
         max_entries: int = DEFAULT_MAX_ENTRIES,
         max_silence_s: float = DEFAULT_MAX_SILENCE_S,
+        owner_prefix: str = "",
     ) -> None:
         # owner key -> (the answer, until when it may be given: loop time)
         self._entries: dict[str, tuple[KeyLookup, float]] = {}
@@ -75,7 +81,10 @@ class LookupCache:
         self._max_silence_s = max_silence_s
         self._heard_at = float("-inf")  # when the channel last delivered anything
         self._on = False
-        self.generation = 0  # bumped by every invalidation, loss and switch
+        self.generation = 0  # bumped by every owner key's invalidation, loss and switch
+        # The owner records' keys start with it (`KeyLayout.owner_prefix`); "": every
+        # invalidated key counts as one.
+        self._owner_prefix = owner_prefix
         self.lease_ms = lease_ms
         self._held_margin_s = min(HELD_MARGIN_S, lease_ms / 10_000)
 
@@ -143,12 +152,16 @@ class LookupCache:
 
     def invalidate(self, owner_keys: list[str] | None) -> None:
         """Redis says these keys changed; None: every key (FLUSHALL, FLUSHDB)."""
-        self.generation += 1
         if owner_keys is None:
+            self.generation += 1
             self._entries.clear()
             return
+        prefix = self._owner_prefix
+        entries = self._entries
         for owner_key in owner_keys:
-            self._entries.pop(owner_key, None)
+            if owner_key.startswith(prefix):
+                self.generation += 1
+                entries.pop(owner_key, None)
 
     def switch_on(self) -> None:
         """The invalidation channel and the tracked lookup connection are both live."""

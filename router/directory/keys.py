@@ -54,6 +54,11 @@ class KeyLayout:
         self.prefix = "{" + fleet + "}"
         self._owner = self.prefix + ":owner:"
 
+    @property
+    def owner_prefix(self) -> str:
+        """What every owner record's key starts with."""
+        return self._owner
+
     def owner(self, kind: str, key: str) -> str:
         """The owner record's key for a session key of a kind (the kind is checked by the
         caller once, at configuration: this is on the lookup path)."""

@@ -31,7 +31,14 @@ from router.build import build_name
 from router.config import Config, config_warnings, load_config
 from router.control import ControlServer, ControlSession
 from router.core import RouterCore, Worker, WorkerOrigin, WorkerState
-from router.directory import Directory, LookupCache, ScriptRunner, TrackedLookups, open_redis
+from router.directory import (
+    Directory,
+    KeyLayout,
+    LookupCache,
+    ScriptRunner,
+    TrackedLookups,
+    open_redis,
+)
 from router.edge import EdgeServer
 from router.fleet import FleetLink
 from router.metrics import EdgeCounts, RouterMetrics
@@ -243,7 +250,10 @@ class RouterService:
         if isinstance(target, str) and config.directory.password is None:
             # Standalone Redis: absent, ended and dead answers cached while Redis can
             # invalidate them (design §10); under Sentinel lookups are not cached.
-            tracking = TrackedLookups(target, LookupCache(settings.lease_ms), ScriptRunner())
+            cache = LookupCache(
+                settings.lease_ms, owner_prefix=KeyLayout(settings.prefix).owner_prefix
+            )
+            tracking = TrackedLookups(target, cache, ScriptRunner())
         directory = Directory(redis, settings, tracking=tracking)
         fleet = FleetLink(directory, self.core, clock=self._clock, close_redis=redis.aclose)
         fleet.tracking = tracking

@@ -19,6 +19,7 @@ from router.directory import (
     LookupState,
 )
 from router.directory.cache import LookupCache
+from router.directory.keys import KeyLayout
 from router.directory.records import ABSENT, Owner, OwnerState
 from router.directory.scripts import ScriptRunner
 from router.directory.tracking import TrackedLookups
@@ -90,6 +91,26 @@ def test_a_lookup_that_saw_an_invalidation_in_flight_stores_nothing() -> None:
     cache.invalidate(["other"])  # arrived while the lookup was in flight
     assert cache.store(["a"], [KeyLookup(ABSENT, SETTLED)], sent_at, 0.0) == 0
     assert cache.get("a", 0) is None
+
+
+def test_only_an_owner_records_invalidation_in_flight_keeps_a_lookup_from_being_stored() -> None:
+    # The lookup script reads the membership and the fleet record too: every heartbeat
+    # of every router rewrites them, and Redis says so. Those do not make an answer in
+    # flight stale; an owner record's change does.
+    layout = KeyLayout("fleet")
+    cache = LookupCache(lease_ms=10_000, owner_prefix=layout.owner_prefix)
+    cache.switch_on()
+    cache.heard(0)
+    a, b = layout.owner("episode", "a"), layout.owner("episode", "b")
+    sent_at = cache.generation
+    cache.invalidate([layout.members(), layout.fleet()])  # a heartbeat, in flight
+    assert cache.store([a], [KeyLookup(ABSENT, SETTLED)], sent_at, 0.0) == 1
+    assert cache.get(a, 0) is not None
+    sent_at = cache.generation
+    cache.invalidate([layout.members(), b])  # an owner record changed, in flight
+    assert cache.store([b], [KeyLookup(ABSENT, SETTLED)], sent_at, 0.0) == 0
+    cache.invalidate([layout.members()])
+    assert cache.get(a, 0) is not None  # kept: only its own record's change drops it
 
 
 def test_the_cache_forgets_invalidated_keys_a_flush_and_everything_when_switched_off() -> None:
