@@ -34,15 +34,11 @@ def valid_key_prefix(value: object) -> bool:
 
 def split_key_prefix(key: str) -> tuple[str, int] | None:
     """The (router id, epoch) a key's prefix names, or None when it starts with none.
-    Whether that incarnation is alive is for the membership to say. Two `find`s before
-    the regex: most keys are not prefixed, and this runs for a key no table knows."""
-    first = key.find(":")
-    if first < 1:
-        return None
-    second = key.find(":", first + 1)
-    if second < 0:
+    Whether that incarnation is alive is for the membership to say. A `find` before the
+    regex: most keys hold no ':' at all, and this runs for a key no table knows."""
+    if key.find(":") < 1:
         return None
     match = _KEY_PREFIX.match(key)
-    if match is None or match.end() != second + 1:
+    if match is None:
         return None
     return match.group(1), int(match.group(2))
