@@ -12,10 +12,17 @@ from __future__ import annotations
 from typing import Final
 
 from router.core import Forward, Worker
+from router.directory import OwnerWorker
 from router.protocol import BOOT_HEADER
 from router.relay import NO_EXTRA, Upstream
 
-__all__ = ["MAX_KEPT_DESTINATIONS", "Destination", "destination", "public_base"]
+__all__ = [
+    "MAX_KEPT_DESTINATIONS",
+    "Destination",
+    "destination",
+    "owner_worker_destination",
+    "public_base",
+]
 
 
 class Destination:
@@ -48,6 +55,25 @@ def destination(decision: Forward, host: str) -> tuple[Upstream, dict[str, str],
             _DESTINATIONS.clear()
         kept = _DESTINATIONS[worker.id] = Destination(worker, decision.boot)
     return kept.upstream, kept.extra, public_base(host)
+
+
+# Another router's workers forwarded to straight (shape B), by (url, boot): emptied when
+# this many, as the destinations above.
+_OWNER_WORKERS: Final[dict[OwnerWorker, tuple[Upstream, dict[str, str]]]] = {}
+
+
+def owner_worker_destination(worker: OwnerWorker) -> tuple[Upstream, dict[str, str]]:
+    """Where a forward straight to another router's worker goes (one pool per address
+    and boot: a new process at the address gets a pool of its own), and its boot header."""
+    kept = _OWNER_WORKERS.get(worker)
+    if kept is None:
+        if len(_OWNER_WORKERS) >= MAX_KEPT_DESTINATIONS:
+            _OWNER_WORKERS.clear()
+        kept = _OWNER_WORKERS[worker] = (
+            Upstream(f"owner-worker:{worker.url}", worker.url),
+            {BOOT_HEADER: worker.boot},
+        )
+    return kept
 
 
 class _LastBase:

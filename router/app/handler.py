@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, Final
 
-from router.app.destination import destination
+from router.app.destination import destination, owner_worker_destination, public_base
 from router.app.exchange import (
     BODY_OVER_LIMIT,
     MAX_LOGGED_PATH,
@@ -25,7 +25,8 @@ from router.app.exchange import (
     failure_answer,
 )
 from router.core import Answer, Claim, ClaimState, Forward, RouterCore, Worker
-from router.directory import RequestMeaning
+from router.directory import OwnerWorker, RequestMeaning
+from router.directory.cache import HELD_MARGIN_S
 from router.edge import BodyBroken, PublicRequest, framing_problem
 from router.edge.head_text import forwarded_host_text
 from router.fleet import (
@@ -44,7 +45,13 @@ from router.fleet import (
 from router.metrics import RouterMetrics
 from router.protocol import is_ip
 from router.relay import Forwarder, LaneDone, Upstream, UpstreamFailure, as_value
-from router.sessions import ReplyLearner, SessionReader, SessionRef, plan_learning
+from router.sessions import (
+    LearningPlan,
+    ReplyLearner,
+    SessionReader,
+    SessionRef,
+    plan_learning,
+)
 
 log = logging.getLogger("episode_router.public")
 access_log = logging.getLogger("episode_router.access")
@@ -58,6 +65,10 @@ MAX_KEPT_PEERS: Final = 1024
 _RELAYED: Final = "relayed"
 _NOT_OWNER: Final = "not_owner"
 _UNREACHED: Final = "unreached"
+# A straight forward to another router's worker needs that router's lease to run at
+# least this much longer (the lookup cache's margin): the request reaches the worker
+# well before the lease lapses, after which another router may answer the key 410.
+STRAIGHT_LEASE_LEFT_MS: Final = round(HELD_MARGIN_S * 1000)
 MAX_SESSIONLESS_TRIES: Final = 3  # a sessionless request nothing of which reached a worker
 # A Final name: the compiled build keeps it in a C variable, where an imported name is
 # looked up in the module's dict at each call (three times a request).
@@ -222,6 +233,8 @@ class PublicHandler(ExchangeOwner):
                     # The lookup cache's answer: acted on at once, no task for it, and a
                     # hop to its owner on the relay's lane when it can go at once.
                     if lane and found_there.meaning is RequestMeaning.PEER:
+                        if self._straight_to(exchange, kind, found_there) is not None:
+                            return self._to_owner_worker(exchange, kind, key, found_there)
                         return self._hop_from_the_cache(exchange, kind, key, found_there)
                     return self._settle(exchange, kind, key, found_there, None)
                 if claim is not None and self._lease_lapsed(exchange, claim, key):
@@ -319,6 +332,8 @@ class PublicHandler(ExchangeOwner):
         meanwhile)."""
         if claim is None:
             if found.meaning is RequestMeaning.PEER:
+                if self._straight_to(exchange, kind, found) is not None:
+                    return self._to_owner_worker(exchange, kind, key, found)
                 return self._to_peer(exchange, kind, key, found)
             answer = answer_for(found.meaning, key, kind in self.core.settings.mcp_kinds)
             if answer is not None:
@@ -329,6 +344,76 @@ class PublicHandler(ExchangeOwner):
         elif self._lease_lapsed(exchange, claim, key):
             return None
         return self._decide(exchange, kind, key)
+
+    def _straight_to(self, exchange: Exchange, kind: str, found: Lookup) -> OwnerWorker | None:
+        """The owner's worker a request may go to straight (shape B: its router shares
+        this host and published it), or None: then through the owner's peer listener.
+        Not a request whose reply or route the owner's table would learn from (a seed,
+        a close, an MCP session's start or end): only the owner may. Not when the owner's
+        lease may lapse before the request reaches the worker: the owner stops serving
+        its keys then (a paused router), and another router may answer 410."""
+        result = found.result
+        worker = result.worker if result is not None else None
+        if worker is None or result is None or result.lease_left_ms < STRAIGHT_LEASE_LEFT_MS:
+            return None
+        reader = self.sessions
+        if reader.learns and (
+            reader.route_of(kind, exchange.request.method, exchange.route_path) != "session"
+            or self._learning_plan(exchange)
+        ):
+            return None
+        return worker
+
+    async def _to_owner_worker(
+        self, exchange: Exchange, kind: str, key: str, found: Lookup
+    ) -> None:
+        """The request straight to the worker that holds `key` (shape B), with its boot:
+        another process on that address refuses it (410). One nothing of which reached
+        the worker (it exited, or its address is gone) goes through its owner's peer
+        listener instead, whose table answers (410 for an exited worker); a failure
+        after the request went out is answered as the owner would (502, 504)."""
+        fleet = self.fleet
+        assert fleet is not None and found.result is not None
+        worker = found.result.worker
+        assert worker is not None
+        self._decision_observed(exchange)
+        request = exchange.request
+        _continue_if_expected(request)
+        upstream, extra = owner_worker_destination(worker)
+        try:
+            try:
+                exchange.status = await self.forwarder.forward(
+                    request,
+                    upstream,
+                    extra_headers=extra,
+                    public_base=public_base(request.host),
+                    body=exchange.body,
+                )
+            except UpstreamFailure as raised:
+                failure = as_value(raised)
+                if exchange.failed_by_client(failure):
+                    pass
+                elif failure.kind == "busy":  # this router's pool to it is full: not blamed
+                    exchange.answer(
+                        Answer(
+                            "worker_busy",
+                            f"The worker's connections are all busy ({failure.detail}); try again.",
+                            key,
+                            retry_after_s=1.0,
+                        )
+                    )
+                elif not failure.request_sent:
+                    fleet.forget(kind, key)
+                    await self._forward_to_peer(exchange, kind, key, found, None, None)
+                else:
+                    fleet.forget(kind, key)
+                    fleet.counts.peer_forward("failed")
+                    exchange.answer(owner_failed(failure, key))
+            else:
+                fleet.counts.peer_forward("direct")
+        except BodyBroken as broken:
+            exchange.body_broke(broken)
+        self._finish(exchange)
 
     def _hop_from_the_cache(
         self, exchange: Exchange, kind: str, key: str, found: Lookup
@@ -487,14 +572,7 @@ class PublicHandler(ExchangeOwner):
             if not failure.request_sent:
                 return _UNREACHED
             counts.peer_forward("failed")
-            if failure.kind == "timeout":
-                exchange.answer(
-                    Answer("upstream_timeout", "The owner did not answer in time.", key)
-                )
-            else:
-                exchange.answer(
-                    Answer("upstream_error", f"The owner failed: {failure.detail}", key)
-                )
+            exchange.answer(owner_failed(failure, key))
             return _RELAYED
         counts.peer_forward("forwarded")
         return _RELAYED
@@ -715,20 +793,7 @@ class PublicHandler(ExchangeOwner):
 
     def _learner(self, exchange: Exchange, worker: Worker) -> ReplyLearner | None:
         """A watcher for the reply when it may teach a claim (seed, close, MCP)."""
-        reader = self.sessions
-        if not reader.learns:
-            return None
-        request = exchange.request
-        plan = plan_learning(
-            reader,
-            request.method,
-            exchange.route_path,
-            exchange.found,
-            exchange.seeding,
-            request,
-            self._wall_clock(),
-            exchange.body,
-        )
+        plan = self._learning_plan(exchange)
         if not plan:
             return None
         return ReplyLearner(
@@ -739,6 +804,23 @@ class PublicHandler(ExchangeOwner):
             wall_clock=self._wall_clock,
             metrics=self.metrics,
             gate=self.fleet,
+        )
+
+    def _learning_plan(self, exchange: Exchange) -> LearningPlan | None:
+        """What the reply to this request may teach (None: nothing, or no kind learns)."""
+        reader = self.sessions
+        if not reader.learns:
+            return None
+        request = exchange.request
+        return plan_learning(
+            reader,
+            request.method,
+            exchange.route_path,
+            exchange.found,
+            exchange.seeding,
+            request,
+            self._wall_clock(),
+            exchange.body,
         )
 
 
@@ -769,6 +851,14 @@ class PeerHop(LaneDone):
     def body(self, data: bytes) -> None:
         if b'"error":"not_owner"' in data:  # the router's own answer, not a worker's 421
             self.directory_write = _held_back()
+
+
+def owner_failed(failure: UpstreamFailure, key: str) -> Answer:
+    """A hop to a key's owner (its router, or its worker straight) that failed after the
+    request went out: 504 on a timeout, else 502."""
+    if failure.kind == "timeout":
+        return Answer("upstream_timeout", "The owner did not answer in time.", key)
+    return Answer("upstream_error", f"The owner failed: {failure.detail}", key)
 
 
 async def _held_back() -> bool:

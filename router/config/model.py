@@ -29,6 +29,10 @@ class ListenConfig:
     host: str = "0.0.0.0"
     # The usual unprivileged HTTP port.
     port: int = 8080
+    # SO_REUSEPORT: several router processes of one host bind the same port and the
+    # kernel spreads the connections over them (design §10, shape B). Off: a second
+    # router on a taken port fails to start, as a mistake should.
+    reuse_port: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,6 +429,10 @@ class PeerConfig:
     advertise: str | None = None
     # Signs every hop (HMAC-SHA256), from secret_env / secret_file: the same on every router.
     secret: str = ""
+    # Routers on one host (shape B) forward a key's request straight to the worker that
+    # holds it (with its boot), not through its router's peer listener: one router's
+    # work for a request instead of two. Routers elsewhere are never sent a worker.
+    direct: bool = True
 
 
 # The default session kind: episode tokens (design §2) in their standard header.

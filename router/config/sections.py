@@ -87,14 +87,14 @@ _DIRECTORY_KEYS: Final = (
     *("url", "sentinel", "router_id", "prefix", "lease_ttl_s", "lookup_timeout_ms"),
     *("claim_timeout_s", "min_replicas", "password_env", "password_file", "key_prefix"),
 )
-_PEER_KEYS: Final = ("listen", "advertise", "secret_env", "secret_file")
+_PEER_KEYS: Final = ("listen", "advertise", "secret_env", "secret_file", "direct")
 # Router ids and prefixes go into Redis keys (design §10): a pod name fits.
 _DIRECTORY_NAME: Final = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 def build_config(root: Section) -> Config:
     config = Config(
-        listen=_listen(root.child("listen", ("host", "port"))),
+        listen=_listen(root.child("listen", ("host", "port", "reuse_port"))),
         admin=_admin(
             root.child(
                 "admin",
@@ -259,12 +259,17 @@ def _peer(root: Section) -> PeerConfig | None:
     secret = secret_text(sec, "secret", header_safe=False)
     if secret is None:
         raise sec.fail(None, "the peer hop is signed: set secret_env or secret_file")
-    return PeerConfig(parsed[0], parsed[1], advertise, secret[1])
+    direct = sec.flag("direct", d.direct)
+    return PeerConfig(parsed[0], parsed[1], advertise, secret[1], direct)
 
 
 def _listen(sec: Section) -> ListenConfig:
     d = ListenConfig()
-    return ListenConfig(sec.host("host", d.host), sec.integer("port", d.port, 0, 65535))
+    return ListenConfig(
+        sec.host("host", d.host),
+        sec.integer("port", d.port, 0, 65535),
+        sec.flag("reuse_port", d.reuse_port),
+    )
 
 
 def _admin(sec: Section) -> AdminConfig:

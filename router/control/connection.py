@@ -290,7 +290,7 @@ class ControlConnection(asyncio.Protocol):
         assert session is not None and session.gate is not None
         keys = [pair for waiting in asking for pair in waiting.asks]
         try:
-            answers = await session.gate.claim_each(keys)
+            answers = await session.gate.claim_each(keys, session.worker)
             if len(answers) != len(keys):
                 raise DirectoryReplyError(f"{len(keys)} keys asked, {len(answers)} answers")
         except Exception as error:  # a gate that broke its contract: as if unreachable

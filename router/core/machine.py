@@ -143,6 +143,10 @@ class RouterCore:
         # Told of every worker that exits, so the I/O layer can close its
         # lease connection and drop its connection pool.
         self.on_retire = on_retire
+        # Told of every change to a worker's process, address or state (a hello, a loss,
+        # an exit, a probe's verdict), so the fleet can publish where the workers listen
+        # (design §10, shape B).
+        self.on_worker_change: Callable[[Worker], None] = _ignore_worker
         self.journal: JournalSink = _NoJournal()
         self.claims = ClaimTable(
             tombstone_ttl_s=settings.tombstone_ttl_s, max_tombstones=settings.max_tombstones
@@ -290,6 +294,7 @@ class RouterCore:
             self.workers.add(worker)
             self._journal_worker(worker)
             self._await_probe(worker, probed)
+            self.on_worker_change(worker)
             return worker
         if worker.boot != boot or worker.state is WorkerState.EXITED:
             if worker.state is not WorkerState.EXITED:
@@ -304,6 +309,7 @@ class RouterCore:
         worker.last_heard = now
         self._journal_worker(worker)
         self._await_probe(worker, probed)
+        self.on_worker_change(worker)
         return worker
 
     @staticmethod
@@ -332,6 +338,7 @@ class RouterCore:
         self.on_retire(worker)  # closes its lease's connection, found by `worker.lease`
         worker.lease = None  # void: the connection's close must not touch a next generation
         self._forget_long_exited(worker)
+        self.on_worker_change(worker)
         return count
 
     def _forget_long_exited(self, worker: Worker) -> None:
@@ -366,6 +373,7 @@ class RouterCore:
         if worker.state in (WorkerState.LIVE, WorkerState.UNHEALTHY):
             worker.state = WorkerState.LOST
             worker.lost_since = now
+            self.on_worker_change(worker)
 
     def probe_result(self, worker: Worker, outcome: str, failures: int, now: float) -> bool:
         """A probed worker's health probe: 'ok', 'refused' or 'timeout'.
@@ -388,7 +396,10 @@ class RouterCore:
             self.mark_recovered(worker.id, now)
         elif outcome == "timeout" and worker.state is WorkerState.LIVE:
             worker.state = WorkerState.UNHEALTHY
-        return worker.state is not before
+        if worker.state is before:
+            return False
+        self.on_worker_change(worker)
+        return True
 
     def tick(self, now: float, silent_leases: Iterable[Worker] = ()) -> TickResult:
         """Expire leases, graces, tombstones, idle learned claims and recovery."""
@@ -516,6 +527,10 @@ class RouterCore:
 
     def session_info(self, kind: str, key: str) -> Claim | None:
         return self.claims.lookup(kind, key)
+
+
+def _ignore_worker(worker: Worker) -> None:
+    pass
 
 
 def _worker_exited(key: str) -> Answer:

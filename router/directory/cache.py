@@ -30,7 +30,9 @@ an invalidation (or a loss) during its flight stores nothing. Only an owner reco
 invalidation counts (given `owner_prefix`): the lookup script reads the membership and
 the fleet record too, which every router's heartbeat rewrites every few seconds, and
 no kept answer depends on those after its lookup (a held one is kept within the lease
-that lookup read). Pure: no I/O.
+that lookup read). An incarnation's worker table counts too (given `workers_prefix`):
+a held answer that names the worker to forward to straight (shape B) depends on it,
+and is dropped when that table changes (a worker lost, exited, replaced). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class LookupCache:
         "_max_silence_s",
         "_on",
         "_owner_prefix",
+        "_workers_prefix",
         "generation",
         "lease_ms",
     )
@@ -74,6 +77,7 @@ class LookupCache:
         max_entries: int = DEFAULT_MAX_ENTRIES,
         max_silence_s: float = DEFAULT_MAX_SILENCE_S,
         owner_prefix: str = "",
+        workers_prefix: str | None = None,
     ) -> None:
         # owner key -> (the answer, until when it may be given: loop time)
         self._entries: dict[str, tuple[KeyLookup, float]] = {}
@@ -85,6 +89,9 @@ class LookupCache:
         # The owner records' keys start with it (`KeyLayout.owner_prefix`); "": every
         # invalidated key counts as one.
         self._owner_prefix = owner_prefix
+        # The worker tables' keys start with it (`KeyLayout.workers_prefix`); None: no
+        # answer names a worker.
+        self._workers_prefix = workers_prefix
         self.lease_ms = lease_ms
         self._held_margin_s = min(HELD_MARGIN_S, lease_ms / 10_000)
 
@@ -162,6 +169,23 @@ class LookupCache:
             if owner_key.startswith(prefix):
                 self.generation += 1
                 entries.pop(owner_key, None)
+            elif self._workers_prefix is not None and owner_key.startswith(self._workers_prefix):
+                self.generation += 1
+                self._drop_workers_of(owner_key[len(self._workers_prefix) :])
+
+    def _drop_workers_of(self, incarnation: str) -> None:
+        """Drop the answers that name a worker of `incarnation` (`"<router>:<epoch>"`),
+        whose worker table changed: rare (a hello, a loss, an exit), so a scan."""
+        entries = self._entries
+        stale = [
+            owner_key
+            for owner_key, (lookup, _until) in entries.items()
+            if lookup.result.worker is not None
+            and (owner := lookup.result.owner) is not None
+            and f"{owner.router_id}:{owner.epoch}" == incarnation
+        ]
+        for owner_key in stale:
+            del entries[owner_key]
 
     def switch_on(self) -> None:
         """The invalidation channel and the tracked lookup connection are both live."""

@@ -46,6 +46,7 @@ from router.directory.records import (
     decode_registration,
     decode_releases,
     decode_remaining,
+    decode_standing,
     decode_sweep,
 )
 from router.directory.scripts import Script, ScriptRunner
@@ -54,6 +55,9 @@ from router.directory.tracking import TrackedLookups
 
 # A key as the router names it: (kind, key).
 SessionKey = tuple[str, str]
+# A key to claim, with a reference to the worker process that will hold it ("" for none:
+# see `worker_reference`).
+ClaimKey = tuple[str, str, str]
 
 
 class Directory:
@@ -87,7 +91,7 @@ class Directory:
         self._lookups: Batcher[SessionKey, KeyLookup] = Batcher(
             "lookup", self._lookup_batch, settings.lookup_timeout_ms / 1000, settings.batch_limit
         )
-        self._claims: Batcher[SessionKey, ClaimOutcome] = Batcher(
+        self._claims: Batcher[ClaimKey, ClaimOutcome] = Batcher(
             "claim", self._claim_within, settings.claim_timeout_s, settings.batch_limit
         )
         self._releases: Batcher[SessionKey, ReleaseVerdict] = Batcher(
@@ -122,27 +126,48 @@ class Directory:
         args = (s.router_id, self._epoch(), s.lease_ms, s.quiet_ms)
         return decode_heartbeat(await self._run(Script.HEARTBEAT, (), args, s.claim_timeout_s))
 
-    async def claim(self, keys: Sequence[SessionKey]) -> tuple[ClaimOutcome, ...]:
-        """Write owner records for `keys` (one script call); an outcome per key."""
-        return await self._claim_within(keys, self.settings.claim_timeout_s)
+    async def claim(
+        self, keys: Sequence[SessionKey], workers: Sequence[str] = ()
+    ) -> tuple[ClaimOutcome, ...]:
+        """Write owner records for `keys` (one script call), each for the worker process
+        its item of `workers` names (none when empty); an outcome per key."""
+        named = workers or [""] * len(keys)
+        triples = [(kind, key, worker) for (kind, key), worker in zip(keys, named, strict=True)]
+        return await self._claim_within(triples, self.settings.claim_timeout_s)
 
     async def release(self, keys: Sequence[SessionKey]) -> tuple[ReleaseVerdict, ...]:
         """Mark this incarnation's records of `keys` ended (one script call)."""
         return await self._release_within(keys, self.settings.claim_timeout_s)
 
-    async def claim_one(self, kind: str, key: str) -> ClaimOutcome:
-        """Claim one key, batched with the other claims of this loop turn."""
-        return await self._claims.ask((kind, key))
+    async def claim_one(self, kind: str, key: str, worker: str = "") -> ClaimOutcome:
+        """Claim one key for the worker process `worker` names (`worker_reference`),
+        batched with the other claims of this loop turn."""
+        return await self._claims.ask((kind, key, worker))
 
     async def release_one(self, kind: str, key: str) -> ReleaseVerdict:
         """Release one key, batched with the other releases of this loop turn."""
         return await self._releases.ask((kind, key))
 
-    async def claim_each(self, keys: Sequence[SessionKey]) -> list[ClaimOutcome | Exception]:
-        """Claim `keys`, batched with the other claims of this loop turn (as many script
-        calls as the batch limit cuts them into): each key's outcome, or the error that
-        kept its script call from answering (a DirectoryError). Never raises for it."""
-        return await self._claims.ask_each(keys)
+    async def claim_each(
+        self, keys: Sequence[SessionKey], worker: str = ""
+    ) -> list[ClaimOutcome | Exception]:
+        """Claim `keys` for the worker process `worker` names, batched with the other
+        claims of this loop turn (as many script calls as the batch limit cuts them
+        into): each key's outcome, or the error that kept its script call from
+        answering (a DirectoryError). Never raises for it."""
+        return await self._claims.ask_each([(kind, key, worker) for kind, key in keys])
+
+    async def publish_workers(self, changes: Sequence[tuple[str, str]]) -> None:
+        """Publish where this incarnation's workers listen, for the routers on its host
+        (`settings.host`): pairs of a worker reference and `encode_worker`'s text, or
+        "" to withdraw one. Raises DirectoryFenced when this incarnation is not alive
+        (nothing was written)."""
+        s = self.settings
+        args: list[str | int] = [s.router_id, self._epoch(), s.lease_ms, s.quiet_ms, s.host]
+        for reference, value in changes:
+            args += (reference, value)
+        reply = await self._run(Script.WORKERS, (), args, s.claim_timeout_s)
+        self._refuse_unless_ok(decode_standing(reply))
 
     async def release_each(self, keys: Sequence[SessionKey]) -> list[ReleaseVerdict | Exception]:
         """Release `keys` as `claim_each` claims them: each key's verdict, or its error."""
@@ -221,11 +246,19 @@ class Directory:
             await batcher.close()
 
     async def _claim_within(
-        self, keys: Sequence[SessionKey], deadline_s: float
+        self, keys: Sequence[ClaimKey], deadline_s: float
     ) -> tuple[ClaimOutcome, ...]:
         s = self.settings
-        args = (self.layout.prefix, s.router_id, self._epoch(), s.lease_ms, s.quiet_ms)
-        owners = self._owners(keys)
+        owner = self.layout.owner
+        owners = [owner(kind, key) for kind, key, _worker in keys]
+        args: list[str | int] = [
+            self.layout.prefix,
+            s.router_id,
+            self._epoch(),
+            s.lease_ms,
+            s.quiet_ms,
+        ]
+        args += (worker for _kind, _key, worker in keys)
         if s.min_replicas:
             # Redis ends a blocked WAIT on its timer (10 times a second by default): ask
             # for 150 ms less than the deadline, so WAIT answers "too few" before it.
@@ -252,7 +285,7 @@ class Directory:
 
     async def _lookup_within(self, keys: Sequence[SessionKey], deadline_s: float) -> LookupBatch:
         s = self.settings
-        args = (s.lease_ms, s.quiet_ms)
+        args = (s.lease_ms, s.quiet_ms, s.host)
         reply = await self._run(Script.LOOKUP, self._owners(keys), args, deadline_s)
         return decode_lookup(reply, len(keys))
 
@@ -265,7 +298,7 @@ class Directory:
         owners = self._owners(keys)
         generation = tracking.cache.generation  # what the cache knew when this went out
         sent_at = time.monotonic()  # the cache's clock
-        args = (self.layout.prefix, s.lease_ms, s.quiet_ms)
+        args = (self.layout.prefix, s.lease_ms, s.quiet_ms, s.host)
         reply = await self._guarded(tracking.lookup(owners, args), deadline_s)
         batch = decode_lookup(reply, len(keys))
         lookups = [KeyLookup(result, batch.fleet) for result in batch.results]

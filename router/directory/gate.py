@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from router.core import Worker
 from router.directory.errors import DirectoryError
 from router.directory.records import ClaimOutcome
 
@@ -16,10 +17,11 @@ from router.directory.records import ClaimOutcome
 class ClaimGate(Protocol):
     """The directory's half of a claim: written before the worker hears `ok`."""
 
-    async def claim(self, kind: str, key: str) -> ClaimOutcome:
-        """Write this router's owner record of `key` (batched with the other claims of
-        this loop turn). Raises DirectoryError when it was not written in time (the
-        worker gets `directory_unavailable`); CONFLICT names the live holder."""
+    async def claim(self, kind: str, key: str, worker: Worker | None = None) -> ClaimOutcome:
+        """Write this router's owner record of `key`, which `worker` will hold (batched
+        with the other claims of this loop turn). Raises DirectoryError when it was not
+        written in time (the worker gets `directory_unavailable`); CONFLICT names the
+        live holder."""
         ...
 
     def released(self, kind: str, key: str) -> None:
@@ -34,10 +36,11 @@ class BatchClaimGate(ClaimGate, Protocol):
     where a pipelining worker's read carries hundreds of them."""
 
     async def claim_each(
-        self, keys: Sequence[tuple[str, str]]
+        self, keys: Sequence[tuple[str, str]], worker: Worker | None = None
     ) -> Sequence[ClaimOutcome | DirectoryError]:
-        """`claim` for each of `keys` at once, in order: each key's outcome, or the
-        DirectoryError that kept it from being written in time. Never raises that."""
+        """`claim` for each of `keys` (all for `worker`) at once, in order: each key's
+        outcome, or the DirectoryError that kept it from being written in time. Never
+        raises that."""
         ...
 
     def key_prefix(self) -> str | None:

@@ -41,10 +41,12 @@ class KeyLayout:
     - `{p}:held:<router>:<epoch>`: a set, the owner keys an incarnation holds;
     - `{p}:reap`: a set of dead incarnations whose records still wait for their TTL;
     - `{p}:owner:<kind>:<key>`: a hash, an owner record (`r` router, `e` epoch,
-      `s` state: `h` held, `e` ended).
+      `s` state: `h` held, `e` ended; `w` the worker process holding it, if published);
+    - `{p}:workers:<router>:<epoch>`: a hash, an incarnation's published workers
+      (reference -> `"<url> <boot>"`, and `~host`: the host they are reachable from).
     """
 
-    __slots__ = ("_owner", "prefix")
+    __slots__ = ("_owner", "_workers", "prefix")
 
     def __init__(self, fleet: str = DEFAULT_PREFIX) -> None:
         if not _PREFIX.fullmatch(fleet):
@@ -53,11 +55,20 @@ class KeyLayout:
             )
         self.prefix = "{" + fleet + "}"
         self._owner = self.prefix + ":owner:"
+        self._workers = self.prefix + ":workers:"
 
     @property
     def owner_prefix(self) -> str:
         """What every owner record's key starts with."""
         return self._owner
+
+    @property
+    def workers_prefix(self) -> str:
+        """What every incarnation's worker table's key starts with."""
+        return self._workers
+
+    def workers(self, router_id: str, epoch: int) -> str:
+        return f"{self._workers}{router_id}:{epoch}"
 
     def owner(self, kind: str, key: str) -> str:
         """The owner record's key for a session key of a kind (the kind is checked by the

@@ -44,9 +44,19 @@ class LookupState(enum.Enum):
 
 
 # Items per key in the lookup script's answer.
-LOOKUP_ITEMS = 5
+LOOKUP_ITEMS = 6
 
 _LOOKUP_CODES = {"h": LookupState.HELD, "e": LookupState.ENDED, "x": LookupState.DEAD}
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerWorker:
+    """The worker process that holds a key, as its router published it for routers on
+    the same host (design §10, shape B): where it listens, and the boot it said hello
+    with (sent in `X-Episode-Router-Boot`, so another process on that address refuses)."""
+
+    url: str
+    boot: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +64,13 @@ class LookupResult:
     """One key's lookup: its state, its owner record (None when absent) and, for a key
     held by a live incarnation, that router's peer address and how long its lease ran
     from the moment the directory answered (ms; 0 within a grace that keeps a lapsed
-    lease alive)."""
+    lease alive); and the owner's worker, when that router published it for this host."""
 
     state: LookupState
     owner: Owner | None = None
     peer: str | None = None
     lease_left_ms: int = 0
+    worker: OwnerWorker | None = None
 
 
 ABSENT = LookupResult(LookupState.ABSENT)
@@ -198,7 +209,8 @@ def decode_fleet(reply: Reply, at: int = 0) -> FleetView:
 
 def decode_lookup(reply: object, count: int) -> LookupBatch:
     """The lookup script's answer for `count` keys: `[now, since, grace]` then
-    `code, router, epoch, peer, lease left` per key (code `a` absent, `h`, `e`, `x`)."""
+    `code, router, epoch, peer, lease left, worker` per key (code `a` absent, `h`,
+    `e`, `x`; the worker `"<url> <boot>"` or empty)."""
     items = _array(reply, 3 + LOOKUP_ITEMS * count)
     if len(items) != 3 + LOOKUP_ITEMS * count:
         raise DirectoryReplyError(f"a lookup of {count} keys answered {len(items)} items")
@@ -214,12 +226,27 @@ def decode_lookup(reply: object, count: int) -> LookupBatch:
         stored = OwnerState.ENDED if state is LookupState.ENDED else OwnerState.HELD
         owner = Owner(_text(items[at + 1]), _integer(items[at + 2]), stored)
         if state is LookupState.HELD:
+            peer, left = _text(items[at + 3]), _integer(items[at + 4])
+            worker = _text(items[at + 5])
             results.append(
-                LookupResult(state, owner, _text(items[at + 3]), _integer(items[at + 4]))
+                LookupResult(state, owner, peer, left, decode_worker(worker) if worker else None)
             )
         else:
             results.append(LookupResult(state, owner))
     return LookupBatch(decode_fleet(items), tuple(results))
+
+
+def decode_worker(value: str) -> OwnerWorker:
+    """A published worker: `"<url> <boot>"` (neither holds a space)."""
+    url, _, boot = value.partition(" ")
+    if not url or not boot or " " in boot:
+        raise DirectoryReplyError(f"a malformed worker record: {value!r}")
+    return OwnerWorker(url, boot)
+
+
+def encode_worker(url: str, boot: str) -> str:
+    """What the workers script stores for a worker (`decode_worker` reads it back)."""
+    return f"{url} {boot}"
 
 
 def decode_claims(reply: object, count: int) -> tuple[Standing, tuple[ClaimOutcome, ...]]:
@@ -256,6 +283,11 @@ def decode_releases(reply: object, count: int) -> tuple[Standing, tuple[ReleaseV
             raise DirectoryReplyError(f"unknown release verdict {item!r}")
         verdicts.append(verdict)
     return standing, tuple(verdicts)
+
+
+def decode_standing(reply: object) -> Standing:
+    """`[standing]`: the workers script's answer."""
+    return _standing(_array(reply, 1)[0])
 
 
 def decode_registration(reply: object) -> Registration:

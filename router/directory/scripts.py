@@ -36,6 +36,7 @@ class Script(enum.Enum):
     RETIRE = "retire"
     SWEEP = "sweep"
     LOOKUP = "lookup"
+    WORKERS = "workers"
 
 
 def script_source(script: Script) -> str:

@@ -49,10 +49,15 @@ class DirectorySettings:
     # Off by default: with it, the hello reply offers this incarnation's key prefix, and
     # keys that start with a live peer's are routed from the membership (design §10).
     key_prefixes: bool = False
+    # The host (and network) this router runs on, as `router.fleet.locality` names it;
+    # "" for none. Routers with the same forward straight to each other's workers
+    # (design §10, shape B): their worker table is published, and lookups hand them a
+    # key's worker.
+    host: str = ""
 
     def __post_init__(self) -> None:
         check_name("router_id", self.router_id)
-        if " " in self.peer_address:
+        if " " in self.peer_address or " " in self.host:
             raise ValueError(f"a peer address has no spaces: {self.peer_address!r}")
         if self.lease_ttl_s <= 0 or self.lookup_timeout_ms <= 0 or self.claim_timeout_s <= 0:
             raise ValueError("the lease, lookup timeout and claim timeout are positive")

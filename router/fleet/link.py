@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, cast
 
-from router.core import ClaimState, RouterCore
+from router.core import ClaimState, RouterCore, Worker
 from router.directory import (
     WITHOUT_AN_ANSWER,
     ClaimOutcome,
@@ -44,6 +44,7 @@ from router.directory import (
     meaning_of,
 )
 from router.fleet.prefixes import PrefixRoutes
+from router.fleet.worker_table import PublishedWorkers, worker_reference
 from router.metrics import FleetFigures
 from router.protocol.key_prefix import key_prefix
 
@@ -136,6 +137,13 @@ class FleetLink:
         self._prefixes = PrefixRoutes(self.router_id) if self.settings.key_prefixes else None
         # The tracked lookup connection and its cache (standalone Redis), if any.
         self.tracking: TrackedLookups | None = None
+        # With a host to share (shape B): where this router's workers listen, published
+        # for the routers on it, which forward to them straight.
+        self._workers: PublishedWorkers | None = None
+        if self.settings.host:
+            self._workers = PublishedWorkers()
+            core.on_worker_change = self.worker_changed
+        self._publishing = False
 
     # -- start and stop -------------------------------------------------------------
 
@@ -170,6 +178,8 @@ class FleetLink:
     def _renewed(self, sent_at: float) -> None:
         lease = self.settings.lease_ttl_s
         self._serving_until = sent_at + lease - min(LEASE_MARGIN_S, lease * 0.1)
+        if self._workers is not None and self._workers.pending:
+            self._publish_soon()  # a write that failed before: again with each heartbeat
 
     def start(self) -> None:
         """Register (retried in the background while the directory cannot be reached),
@@ -229,6 +239,8 @@ class FleetLink:
                 await asyncio.sleep(REGISTER_RETRY_S)
                 continue
             self.counts.registrations += 1
+            if self._workers is not None:
+                self._workers.restart(self.core.workers)  # a new incarnation's table
             self._renewed(sent_at)
             log.info(
                 "registered in the directory",
@@ -281,7 +293,9 @@ class FleetLink:
         """Write the local table into the directory: held keys claimed (a key the fleet
         holds dead or ended, or another router holds, turns 410 here), ended ones
         released. After a start (a journal's claims), a LOST, and an outage."""
-        held = [(c.kind, c.key) for c in self.core.claims.held()]
+        claims = self.core.claims.held()
+        held = [(c.kind, c.key) for c in claims]
+        workers = [self._reference_of(c.worker) for c in claims]
         ended = [
             (c.kind, c.key) for c in self.core.claims.tombstones() if c.state is ClaimState.ENDED
         ]
@@ -289,7 +303,9 @@ class FleetLink:
         try:
             for start in range(0, len(held), WRITE_BACK_CHUNK):
                 chunk = held[start : start + WRITE_BACK_CHUNK]
-                outcomes = await self.directory.claim(chunk)
+                outcomes = await self.directory.claim(
+                    chunk, workers[start : start + WRITE_BACK_CHUNK]
+                )
                 refused.extend(
                     pair
                     for pair, outcome in zip(chunk, outcomes, strict=True)
@@ -311,30 +327,31 @@ class FleetLink:
 
     # -- the claim gate -------------------------------------------------------------------
 
-    async def claim(self, kind: str, key: str) -> ClaimOutcome:
-        """ClaimGate: write this router's owner record of `key`."""
+    async def claim(self, kind: str, key: str, worker: Worker | None = None) -> ClaimOutcome:
+        """ClaimGate: write this router's owner record of `key`, held by `worker`."""
         refused = self._named_elsewhere(key)
         if refused is not None:
             return refused
         try:
-            return await self.directory.claim_one(kind, key)
+            return await self.directory.claim_one(kind, key, self._reference(worker))
         except DirectoryError:
             self._count_error("claim")
             raise
 
     async def claim_each(
-        self, keys: Sequence[tuple[str, str]]
+        self, keys: Sequence[tuple[str, str]], worker: Worker | None = None
     ) -> list[ClaimOutcome | DirectoryError]:
         """BatchClaimGate: write this router's owner records of `keys` (one control
-        read's claims): each key's outcome, or the error that kept it unwritten."""
+        read's claims, or one reply's), held by `worker`: each key's outcome, or the
+        error that kept it unwritten."""
         if self._prefixes is not None:
-            return await self._claim_unless_named_elsewhere(keys)
-        return await self._claim_each(keys)
+            return await self._claim_unless_named_elsewhere(keys, worker)
+        return await self._claim_each(keys, worker)
 
     async def _claim_each(
-        self, keys: Sequence[tuple[str, str]]
+        self, keys: Sequence[tuple[str, str]], worker: Worker | None
     ) -> list[ClaimOutcome | DirectoryError]:
-        answers = await self.directory.claim_each(keys)
+        answers = await self.directory.claim_each(keys, self._reference(worker))
         for index, answer in enumerate(answers):
             if isinstance(answer, ClaimOutcome):
                 continue
@@ -345,7 +362,7 @@ class FleetLink:
         return cast("list[ClaimOutcome | DirectoryError]", answers)
 
     async def _claim_unless_named_elsewhere(
-        self, keys: Sequence[tuple[str, str]]
+        self, keys: Sequence[tuple[str, str]], worker: Worker | None
     ) -> list[ClaimOutcome | DirectoryError]:
         """`claim_each` where keys may carry another router's prefix: those are refused
         here, the rest claimed in the directory."""
@@ -354,7 +371,7 @@ class FleetLink:
         ]
         asked = [index for index, outcome in enumerate(outcomes) if outcome is None]
         if asked:
-            answers = await self._claim_each([keys[index] for index in asked])
+            answers = await self._claim_each([keys[index] for index in asked], worker)
             for index, answer in zip(asked, answers, strict=True):
                 outcomes[index] = answer
         return cast("list[ClaimOutcome | DirectoryError]", outcomes)
@@ -366,6 +383,54 @@ class FleetLink:
             return None
         other = self._prefixes.other_router(key)
         return ClaimOutcome(ClaimVerdict.CONFLICT, holder=other) if other is not None else None
+
+    def _reference(self, worker: Worker | None) -> str:
+        """The owner record's worker reference for a claim `worker` makes ("" when no
+        worker table is published: the record names no worker then)."""
+        if self._workers is None or worker is None:
+            return ""
+        return worker_reference(worker)
+
+    def _reference_of(self, worker_id: str) -> str:
+        return self._reference(self.core.workers.get(worker_id))
+
+    # -- the worker table (shape B) ---------------------------------------------------------
+
+    def worker_changed(self, worker: Worker) -> None:
+        """RouterCore's `on_worker_change`: publish or withdraw `worker`, written with
+        the other changes of this loop turn (after a registration, the whole table)."""
+        published = self._workers
+        if published is not None and published.changed(worker) and self.registered:
+            self._publish_soon()
+
+    def _publish_soon(self) -> None:
+        if not self._publishing:
+            self._publishing = True
+            asyncio.get_running_loop().call_soon(self._publish_gathered)
+
+    def _publish_gathered(self) -> None:
+        self._publishing = False
+        published = self._workers
+        if published is None or not published.pending or not self.registered:
+            return
+        changes = published.take()
+        task = asyncio.get_running_loop().create_task(
+            self._publish(changes), name="directory-workers"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _publish(self, changes: list[tuple[str, str]]) -> None:
+        assert self._workers is not None
+        try:
+            await self.directory.publish_workers(changes)
+        except DirectoryError as error:
+            # Written again with the next heartbeat the directory renews; meanwhile a
+            # withdrawn worker's keys may still be forwarded to straight (its boot
+            # refuses another process), and a new one's go through this router.
+            self._workers.failed(changes)
+            self._count_error("workers")
+            log.debug("publishing the worker table failed: %s", error)
 
     def released(self, kind: str, key: str) -> None:
         """ClaimGate: mark `key`'s record ended, in the background: the releases of one

@@ -34,8 +34,9 @@ __all__ = [
 
 # RequestMeaning's values: what a lookup meant for its request.
 LOOKUP_RESULTS: Final = ("local", "peer", "worker_exited", "episode_ended", "unknown", "recovering")
-DIRECTORY_CALLS: Final = ("register", "claim", "release", "lookup", "write_back")
-PEER_FORWARD_OUTCOMES: Final = ("forwarded", "owner_unreachable", "not_owner", "failed")
+DIRECTORY_CALLS: Final = ("register", "claim", "release", "lookup", "write_back", "workers")
+# `direct`: straight to the owner's worker, on one host (shape B).
+PEER_FORWARD_OUTCOMES: Final = ("forwarded", "direct", "owner_unreachable", "not_owner", "failed")
 PEER_REFUSALS: Final = ("signature", "not_owner")
 
 
@@ -98,7 +99,8 @@ def _families(figures: FleetFigures) -> Iterator[Metric]:
     )
     yield _labelled(
         "peer_forwards",
-        "Requests forwarded to the router that holds their key, by outcome.",
+        "Requests forwarded to the router that holds their key (or straight to its worker, "
+        "on one host: direct), by outcome.",
         "outcome",
         PEER_FORWARD_OUTCOMES,
         figures.peer_forwards,

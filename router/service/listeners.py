@@ -63,13 +63,19 @@ def raise_open_file_limit() -> int:
 
 
 async def serve_public(
-    edge: EdgeServer, host: str, port: int, *, name: str = "listen"
+    edge: EdgeServer, host: str, port: int, *, name: str = "listen", reuse_port: bool = False
 ) -> asyncio.Server:
-    """The public listener (or the peer listener, `name`): every connection to `edge`."""
+    """The public listener (or the peer listener, `name`): every connection to `edge`;
+    with `reuse_port`, shared with the other processes that bind it so (SO_REUSEPORT)."""
     with _naming_the_listener(name, host, port):
         loop = asyncio.get_running_loop()
         return await loop.create_server(
-            edge, host, port, reuse_address=True, backlog=PUBLIC_BACKLOG
+            edge,
+            host,
+            port,
+            reuse_address=True,
+            reuse_port=reuse_port or None,
+            backlog=PUBLIC_BACKLOG,
         )
 
 

@@ -41,6 +41,7 @@ from router.directory import (
 )
 from router.edge import EdgeServer
 from router.fleet import FleetLink
+from router.fleet.locality import host_identity
 from router.metrics import EdgeCounts, RouterMetrics
 from router.protocol import UpstreamAddress, parse_upstream
 from router.relay import Forwarder, end_to_end_headers
@@ -198,7 +199,12 @@ class RouterService:
         )
         self._edge.on_refused = self.handler.refused_at_the_edge
         self.metrics.watch_edge(partial(edge_counts, self._edge))
-        self._public = await serve_public(self._edge, config.listen.host, config.listen.port)
+        self._public = await serve_public(
+            self._edge,
+            config.listen.host,
+            config.listen.port,
+            reuse_port=config.listen.reuse_port,
+        )
         self.public_port = int(self._public.sockets[0].getsockname()[1])
         self._admin = await serve_admin(
             admin_application(self),
@@ -243,15 +249,20 @@ class RouterService:
             self._peer_edge, config.peer.host, config.peer.port, name="peer.listen"
         )
         self.peer_port = int(self._peer.sockets[0].getsockname()[1])
-        settings = directory_settings(config, advertised_peer(config, self.peer_port, os.environ))
+        settings = directory_settings(
+            config, advertised_peer(config, self.peer_port, os.environ), host_identity()
+        )
         target = directory_target(config)
         redis = open_redis(target, config.directory.password)
         tracking = None
         if isinstance(target, str) and config.directory.password is None:
             # Standalone Redis: absent, ended and dead answers cached while Redis can
             # invalidate them (design §10); under Sentinel lookups are not cached.
+            layout = KeyLayout(settings.prefix)
             cache = LookupCache(
-                settings.lease_ms, owner_prefix=KeyLayout(settings.prefix).owner_prefix
+                settings.lease_ms,
+                owner_prefix=layout.owner_prefix,
+                workers_prefix=layout.workers_prefix if settings.host else None,
             )
             tracking = TrackedLookups(target, cache, ScriptRunner())
         directory = Directory(redis, settings, tracking=tracking)

@@ -179,10 +179,12 @@ def warn_of_a_short_lease(lease_timeout_s: float) -> None:
         )
 
 
-def directory_settings(config: Config, peer_address: str) -> DirectorySettings:
-    """The directory client's settings, with the peer address this router advertises."""
+def directory_settings(config: Config, peer_address: str, host: str = "") -> DirectorySettings:
+    """The directory client's settings, with the peer address this router advertises
+    and the host it shares with routers it forwards to straight (when `peer.direct`)."""
     directory = config.directory
     assert directory is not None
+    assert config.peer is not None
     return DirectorySettings(
         router_id=directory.router_id,
         peer_address=peer_address,
@@ -193,6 +195,7 @@ def directory_settings(config: Config, peer_address: str) -> DirectorySettings:
         tombstone_ttl_s=config.claims.tombstone_ttl_s,
         min_replicas=directory.replicas_to_wait_for,
         key_prefixes=directory.key_prefix,
+        host=host if config.peer.direct else "",
     )
 
 

@@ -5,6 +5,7 @@ and where they sit, and the claims learned from replies. Pure: no sockets, no ev
 from __future__ import annotations
 
 from router.sessions.learning import (
+    LearningPlan,
     ReplyLearner,
     plan_learning,
 )
@@ -16,6 +17,7 @@ from router.sessions.reader import (
 )
 
 __all__ = [
+    "LearningPlan",
     "ReplyLearner",
     "SessionKind",
     "SessionReader",

@@ -278,7 +278,7 @@ class ReplyLearner:
         key; a key the directory took is learned even when another's call failed, so
         the local table holds what the directory says this router holds."""
         keys = list(self._unwritten)
-        answers = await gate.claim_each(keys)
+        answers = await gate.claim_each(keys, self._worker)
         written = True
         for (kind_name, key), answer in zip(keys, answers, strict=True):
             if isinstance(answer, DirectoryError):

@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 
 from router.control.server import ControlServer
 from router.control.session import ControlPolicy
+from router.core import Worker
 from router.core.machine import CoreSettings, RouterCore
 from router.directory import (
     ClaimOutcome,
@@ -51,12 +52,12 @@ class HeldGate:
         self.released_keys: list[tuple[str, str]] = []
         self.prefix: str | None = None  # what the hello reply offers
 
-    async def claim(self, kind: str, key: str) -> ClaimOutcome:
+    async def claim(self, kind: str, key: str, worker: Worker | None = None) -> ClaimOutcome:
         self.calls.append([(kind, key)])
         return await self._held(kind, key)
 
     async def claim_each(
-        self, keys: Sequence[tuple[str, str]]
+        self, keys: Sequence[tuple[str, str]], worker: Worker | None = None
     ) -> list[ClaimOutcome | DirectoryError]:
         self.calls.append(list(keys))
         held = [self._held(kind, key) for kind, key in keys]
@@ -89,11 +90,11 @@ class DirectoryGate:
         self.directory = directory
         self._releases: set[asyncio.Task[object]] = set()
 
-    async def claim(self, kind: str, key: str) -> ClaimOutcome:
+    async def claim(self, kind: str, key: str, worker: Worker | None = None) -> ClaimOutcome:
         return await self.directory.claim_one(kind, key)
 
     async def claim_each(
-        self, keys: Sequence[tuple[str, str]]
+        self, keys: Sequence[tuple[str, str]], worker: Worker | None = None
     ) -> list[ClaimOutcome | DirectoryError]:
         answers = await self.directory.claim_each(keys)
         assert all(isinstance(a, (ClaimOutcome, DirectoryError)) for a in answers)

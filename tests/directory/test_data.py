@@ -25,12 +25,15 @@ from router.directory import (
 )
 from router.directory.records import (
     ABSENT,
+    OwnerWorker,
     decode_claims,
     decode_heartbeat,
     decode_lookup,
     decode_member,
     decode_registration,
     decode_releases,
+    decode_worker,
+    encode_worker,
 )
 
 
@@ -43,6 +46,8 @@ def test_every_key_of_a_fleet_sits_behind_its_hash_tag() -> None:
     assert layout.epoch("pod-1") == "{gym-a}:epoch:pod-1"
     assert layout.death("pod-1", 7) == "{gym-a}:dead:pod-1:7"
     assert layout.held("pod-1", 7) == "{gym-a}:held:pod-1:7"
+    assert layout.workers("pod-1", 7) == "{gym-a}:workers:pod-1:7"
+    assert layout.workers("pod-1", 7).startswith(layout.workers_prefix)
     assert KeyLayout().prefix == "{episode-router}"
 
 
@@ -77,9 +82,10 @@ FLEET = [1000, 0, 500]  # now, since, grace: a settled fleet
 
 
 def test_a_lookup_answer_decodes_into_one_result_per_key() -> None:
-    reply = [*FLEET, "a", "", "", "", "", "h", "r2", "7", "http://10.0.0.2:9903", 8000]
-    reply += ["e", "r3", "4", "", "", "x", "r4", "2", "", ""]
-    batch = decode_lookup(reply, 4)
+    reply = [*FLEET, "a", "", "", "", "", "", "h", "r2", "7", "http://10.0.0.2:9903", 8000, ""]
+    reply += ["e", "r3", "4", "", "", "", "x", "r4", "2", "", "", ""]
+    reply += ["h", "r5", "3", "127.0.0.1:9903", 500, "unix:/run/w0.sock b00t"]
+    batch = decode_lookup(reply, 5)
     assert batch.fleet == FleetView(1000, 0, 500)
     assert batch.results == (
         ABSENT,
@@ -88,6 +94,16 @@ def test_a_lookup_answer_decodes_into_one_result_per_key() -> None:
         ),
         LookupResult(LookupState.ENDED, Owner("r3", 4, OwnerState.ENDED)),
         LookupResult(LookupState.DEAD, Owner("r4", 2, OwnerState.HELD)),
+        LookupResult(
+            LookupState.HELD,
+            Owner("r5", 3, OwnerState.HELD),
+            "127.0.0.1:9903",
+            500,
+            OwnerWorker("unix:/run/w0.sock", "b00t"),
+        ),
+    )
+    assert decode_worker(encode_worker("http://127.0.0.1:9001", "x")) == OwnerWorker(
+        "http://127.0.0.1:9001", "x"
     )
 
 
@@ -97,11 +113,13 @@ def test_a_lookup_answer_decodes_into_one_result_per_key() -> None:
         None,
         "ok",
         [*FLEET],  # one key asked, none answered
-        [*FLEET, "q", "r1", "1", "", ""],  # an unknown code
-        [*FLEET, "h", "r1", "one", "", 10],  # an epoch that is no number
-        [*FLEET, "h", "r1", "1", "p", ""],  # a held answer without its lease left
-        [*FLEET, *["a", "", "", "", ""] * 2],  # two answers for one key
-        [*FLEET, "a", "", "", ""],  # the answer of the old, shorter shape
+        [*FLEET, "q", "r1", "1", "", "", ""],  # an unknown code
+        [*FLEET, "h", "r1", "one", "", 10, ""],  # an epoch that is no number
+        [*FLEET, "h", "r1", "1", "p", "", ""],  # a held answer without its lease left
+        [*FLEET, "h", "r1", "1", "p", 10, "http://w0"],  # a worker without its boot
+        [*FLEET, "h", "r1", "1", "p", 10, "http://w0 a b"],  # a boot with a space
+        [*FLEET, *["a", "", "", "", "", ""] * 2],  # two answers for one key
+        [*FLEET, "a", "", "", "", ""],  # the answer of the old, shorter shape
     ],
 )
 def test_a_lookup_answer_of_the_wrong_shape_is_a_reply_error(reply: object) -> None:

@@ -20,9 +20,11 @@ from router.directory import (
     LookupState,
     Owner,
     OwnerState,
+    OwnerWorker,
     ReleaseVerdict,
     Standing,
 )
+from router.directory.records import encode_worker
 from tests.directory.conftest import RedisServer, directory_for, settings
 
 EP = ("episode", "ep7-a0")
@@ -265,3 +267,56 @@ async def test_a_router_restarted_after_its_lease_lapsed_does_not_get_its_keys_b
     assert certificate.startswith("lapsed ")
     assert (await other.lookup_one(*EP)).result.state is LookupState.DEAD
     assert await after.claim([EP]) == (ClaimOutcome(ClaimVerdict.EXITED),)
+
+
+async def test_a_published_worker_is_handed_only_to_routers_of_the_same_host(
+    redis_client: Redis, redis_server: RedisServer
+) -> None:
+    owner = await directory_for(redis_client, "r1", host="host-a")
+    neighbour = await directory_for(redis_client, "r2", host="host-a")
+    elsewhere = await directory_for(redis_client, "r3", host="host-b")
+    unplaced = await directory_for(redis_client, "r4")  # no host named: never handed one
+    await owner.publish_workers([("0/w0", encode_worker("http://127.0.0.1:9001", "b0"))])
+    await owner.claim([EP, ("episode", "plain")], ["0/w0", ""])
+    assert redis_server.client().hget("{episode-router}:owner:episode:ep7-a0", "w") == "0/w0"
+    found = (await neighbour.lookup([EP, ("episode", "plain")])).results
+    assert found[0].worker == OwnerWorker("http://127.0.0.1:9001", "b0")
+    assert found[0].peer == "http://127.0.0.1:1/r1"  # its router's listener still named
+    assert found[1].state is LookupState.HELD and found[1].worker is None  # names no worker
+    for other in (elsewhere, unplaced):
+        seen = (await other.lookup_one(*EP)).result
+        assert seen.state is LookupState.HELD and seen.worker is None
+    # Withdrawn (the worker was lost): the key goes through its router again.
+    await owner.publish_workers([("0/w0", "")])
+    assert (await neighbour.lookup([EP])).results[0].worker is None
+    await owner.publish_workers([("0/w0", encode_worker("http://127.0.0.1:9001", "b0"))])
+    assert (await neighbour.lookup([EP])).results[0].worker is not None
+    # Its router's certificate deletes the whole table: nothing to hand out, ever.
+    epoch = owner.epoch
+    assert redis_server.client().exists(f"{{episode-router}}:workers:r1:{epoch}") == 1
+    await owner.retire()
+    assert redis_server.client().exists(f"{{episode-router}}:workers:r1:{epoch}") == 0
+    assert (await neighbour.lookup([EP])).results[0].state is LookupState.DEAD
+    owner.epoch = epoch  # as a router that has not heard of its certificate yet
+    with pytest.raises(DirectoryFenced, match="fenced"):  # a dead one publishes nothing
+        await owner.publish_workers([("0/w0", encode_worker("http://127.0.0.1:9001", "b0"))])
+    assert redis_server.client().exists(f"{{episode-router}}:workers:r1:{epoch}") == 0
+
+
+async def test_a_restarted_routers_keys_name_no_worker_until_it_claims_them_back(
+    redis_client: Redis,
+) -> None:
+    # The successor's workers are other processes, even under the same references.
+    before = await directory_for(redis_client, "r1", host="host-a")
+    other = await directory_for(redis_client, "r2", host="host-a")
+    await before.publish_workers([("0/w0", encode_worker("http://127.0.0.1:9001", "old"))])
+    await before.claim([EP], ["0/w0"])
+    after = await directory_for(redis_client, "r1", host="host-a")  # a restart
+    await after.publish_workers([("0/w0", encode_worker("http://127.0.0.1:9001", "new"))])
+    seen = (await other.lookup_one(*EP)).result
+    assert seen.owner == Owner("r1", after.epoch or 0, OwnerState.HELD)
+    assert seen.worker is None  # through the successor, whose table answers
+    await after.claim([EP], ["0/w0"])  # claimed back by its new process
+    assert (await other.lookup([EP])).results[0].worker == OwnerWorker(
+        "http://127.0.0.1:9001", "new"
+    )

@@ -5,6 +5,7 @@ they changed; held ones besides only while the owner's lease runs)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 import pytest
@@ -20,7 +21,7 @@ from router.directory import (
 )
 from router.directory.cache import LookupCache
 from router.directory.keys import KeyLayout
-from router.directory.records import ABSENT, Owner, OwnerState
+from router.directory.records import ABSENT, Owner, OwnerState, OwnerWorker
 from router.directory.scripts import ScriptRunner
 from router.directory.tracking import TrackedLookups
 from tests.directory.conftest import RedisServer, directory_for, settings
@@ -111,6 +112,35 @@ def test_only_an_owner_records_invalidation_in_flight_keeps_a_lookup_from_being_
     assert cache.store([b], [KeyLookup(ABSENT, SETTLED)], sent_at, 0.0) == 0
     cache.invalidate([layout.members()])
     assert cache.get(a, 0) is not None  # kept: only its own record's change drops it
+
+
+def test_a_worker_tables_change_drops_the_answers_that_name_its_workers() -> None:
+    # A held answer that names the owner's worker (shape B) depends on that router's
+    # worker table: a worker lost or exited there must not be forwarded to straight.
+    layout = KeyLayout("fleet")
+    cache = LookupCache(
+        lease_ms=10_000, owner_prefix=layout.owner_prefix, workers_prefix=layout.workers_prefix
+    )
+    cache.switch_on()
+    cache.heard(0)
+    worker = OwnerWorker("http://127.0.0.1:9001", "b0")
+    r2_held = LookupResult(LookupState.HELD, Owner("r2", 1, OwnerState.HELD), "peer", 5_000)
+    named = {
+        "a": KeyLookup(dataclasses.replace(r2_held, worker=worker), SETTLED),  # r2:1's worker
+        "b": KeyLookup(r2_held, SETTLED),  # r2:1's, no worker: through its router
+        "c": KeyLookup(
+            LookupResult(LookupState.HELD, Owner("r3", 1, OwnerState.HELD), "peer", 5_000, worker),
+            SETTLED,
+        ),
+    }
+    keys = {name: layout.owner("episode", name) for name in named}
+    assert cache.store(list(keys.values()), list(named.values()), cache.generation, 0.0) == 3
+    sent_at = cache.generation
+    cache.invalidate([layout.workers("r2", 1)])
+    assert cache.get(keys["a"], 0) is None
+    assert cache.get(keys["b"], 0) is not None and cache.get(keys["c"], 0) is not None
+    # And a lookup in flight across it stores nothing: it may have read the old table.
+    assert cache.store([keys["a"]], [named["a"]], sent_at, 0.0) == 0
 
 
 def test_the_cache_forgets_invalidated_keys_a_flush_and_everything_when_switched_off() -> None:

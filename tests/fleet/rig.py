@@ -301,6 +301,10 @@ class Fleet:
         # 500 ms, not 50: the suite runs these beside everything else on two cores, where
         # a lookup can be late with nothing wrong; what a late one gets is tested apart.
         self.directory_settings: dict[str, Any] = {"lookup_timeout_ms": 500}
+        # The routers stand for pods (shape A): they never forward straight to each
+        # other's workers, as they would on one host (shape B: `peer.direct`), even
+        # where they share this one. A test of shape B turns it on.
+        self.same_host = False
         # Where router i (0-based) runs: its address and what its argv starts with (a
         # network namespace's `ip netns exec`); by default 127.0.0.2-4 here.
         self.placement: Callable[[int], Placement] = lambda index: Placement(HOSTS[index])
@@ -338,7 +342,11 @@ class Fleet:
         public_port, admin_port, peer_port = (
             free_port() if place.argv_prefix else free_port_on(host) for _ in range(3)
         )
-        peer: dict[str, Any] = {"listen": f"{host}:{peer_port}", "secret_env": PEER_SECRET_ENV}
+        peer: dict[str, Any] = {
+            "listen": f"{host}:{peer_port}",
+            "secret_env": PEER_SECRET_ENV,
+            "direct": self.same_host,
+        }
         if relayed:
             self.peer_relays[router_id] = self.relay(host, peer_port)
             peer["advertise"] = self.peer_relays[router_id].address

@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -45,8 +46,15 @@ PEER_SECRET = secrets.token_hex(16)
 
 
 def fleet_config(
-    tmp_path: Path, redis: RedisServer, router_id: str, *, key_prefix: bool = False
+    tmp_path: Path,
+    redis: RedisServer,
+    router_id: str,
+    *,
+    key_prefix: bool = False,
+    same_host: bool = False,
 ) -> Config:
+    """Router `router_id`'s config: one of two pods (shape A), or with `same_host` two
+    routers of one host that forward straight to each other's workers (shape B)."""
     folder = tmp_path / router_id
     folder.mkdir()
     config = router_config(folder)
@@ -60,7 +68,7 @@ def fleet_config(
             lookup_timeout_ms=500,
             key_prefix=key_prefix,
         ),
-        peer=PeerConfig("127.0.0.1", 0, None, PEER_SECRET),
+        peer=PeerConfig("127.0.0.1", 0, None, PEER_SECRET, direct=same_host),
     )
 
 
@@ -79,9 +87,21 @@ class Fleet:
         self.workers: dict[str, EchoWorker] = {}
 
     async def start(
-        self, tmp_path: Path, redis: RedisServer, router_id: str, *, key_prefix: bool = False
+        self,
+        tmp_path: Path,
+        redis: RedisServer,
+        router_id: str,
+        *,
+        key_prefix: bool = False,
+        same_host: bool = False,
+        **sections: Any,
     ) -> RouterService:
-        service = RouterService(fleet_config(tmp_path, redis, router_id, key_prefix=key_prefix))
+        """Router `router_id` with one echo worker; `sections` replace whole sections
+        of its config (`listen`, `sessions`)."""
+        config = fleet_config(
+            tmp_path, redis, router_id, key_prefix=key_prefix, same_host=same_host
+        )
+        service = RouterService(dataclasses.replace(config, **sections))
         await service.start()
         self.stack.push_async_callback(self._stop, service)
         assert service.fleet is not None
@@ -119,14 +139,16 @@ class Fleet:
 
 @contextlib.asynccontextmanager
 async def two_routers(
-    tmp_path: Path, redis_server: RedisServer, *, key_prefix: bool = False
+    tmp_path: Path, redis_server: RedisServer, *, key_prefix: bool = False, same_host: bool = False
 ) -> AsyncIterator[Fleet]:
     async with AsyncExitStack() as stack:
         http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         stack.push_async_callback(http.close)
         fleet = Fleet(stack, http)
-        await fleet.start(tmp_path, redis_server, "r1", key_prefix=key_prefix)
-        await fleet.start(tmp_path, redis_server, "r2", key_prefix=key_prefix)
+        for router_id in ("r1", "r2"):
+            await fleet.start(
+                tmp_path, redis_server, router_id, key_prefix=key_prefix, same_host=same_host
+            )
         yield fleet
 
 

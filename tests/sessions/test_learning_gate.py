@@ -10,6 +10,7 @@ from typing import Any
 
 from multidict import CIMultiDict
 
+from router.core import Worker
 from router.directory import ClaimOutcome, ClaimVerdict, DirectoryError, DirectoryTimeout
 from router.sessions.learning import ReplyLearner, plan_learning
 from tests.sessions.test_seed_rules import COOKIE, READER, core_with_workers
@@ -30,11 +31,11 @@ class AnsweringGate:
         self.calls: list[list[tuple[str, str]]] = []  # the keys of each claim_each call
         self.released_keys: list[tuple[str, str]] = []
 
-    async def claim(self, kind: str, key: str) -> ClaimOutcome:
+    async def claim(self, kind: str, key: str, worker: Worker | None = None) -> ClaimOutcome:
         raise AssertionError("the learner claims a reply's keys in one claim_each call")
 
     async def claim_each(
-        self, keys: Sequence[tuple[str, str]]
+        self, keys: Sequence[tuple[str, str]], worker: Worker | None = None
     ) -> list[ClaimOutcome | DirectoryError]:
         self.calls.append(list(keys))
         self.asked.extend(keys)

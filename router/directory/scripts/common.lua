@@ -15,6 +15,7 @@ end
 
 local function death_key(router, epoch) return P .. ':dead:' .. router .. ':' .. epoch end
 local function held_key(router, epoch) return P .. ':held:' .. router .. ':' .. epoch end
+local function workers_key(router, epoch) return P .. ':workers:' .. router .. ':' .. epoch end
 
 -- The fleet record, created when missing (first start, or a directory that lost its
 -- data), and the end of its grace. No lapsed lease counts as dead before the grace ends:
@@ -61,12 +62,23 @@ local function standing(router, epoch, now, grace)
   return 'ok', peer, deadline
 end
 
+-- The caller of a write script, whose ARGV[2..5] are its router id, epoch, lease ms and
+-- quiet ms: its standing (below), its id and epoch, the directory's now, and the end of
+-- the fleet's grace. A write script writes nothing unless the standing is 'ok'.
+local function caller()
+  local router, epoch = ARGV[2], ARGV[3]
+  local now = now_ms()
+  local _, grace = fleet_grace(now, tonumber(ARGV[4]), tonumber(ARGV[5]))
+  return standing(router, epoch, now, grace), router, epoch, now, grace
+end
+
 -- Certify an incarnation dead (the first reason stays), drop its membership if it is
 -- still the current one, and queue its held records for their tombstone TTL.
 local function certify(router, epoch, reason, now, tombstone_ms)
   redis.call('SET', death_key(router, epoch), reason .. ' ' .. now, 'NX', 'PX', tombstone_ms)
   local current = member(router)
   if current == tonumber(epoch) then redis.call('HDEL', MEMBERS, router) end
+  redis.call('DEL', workers_key(router, epoch))  -- no direct hop to a dead one's workers
   redis.call('SADD', REAP, router .. ':' .. epoch)
 end
 

@@ -2,12 +2,9 @@
 -- KEYS: the owner records. ARGV: prefix, router id, epoch, lease ms, quiet ms, tombstone ms.
 -- The standing alone when not 'ok'. Per key: 'ok' (ended now, already ended, or never
 -- recorded), 'not_holder' (another incarnation holds it).
-local router, epoch = ARGV[2], ARGV[3]
-local lease_ms, quiet_ms, tombstone_ms = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local now = now_ms()
-local _, grace = fleet_grace(now, lease_ms, quiet_ms)
-local status = standing(router, epoch, now, grace)
+local status, router, epoch = caller()
 if status ~= 'ok' then return {status} end
+local tombstone_ms = tonumber(ARGV[6])
 local held = held_key(router, epoch)
 local out = {'ok'}
 for _, k in ipairs(KEYS) do
