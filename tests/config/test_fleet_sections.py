@@ -44,6 +44,20 @@ def test_a_fleet_config_with_its_defaults() -> None:
     assert not directory.key_prefix and not settings.key_prefixes  # keys are looked up
 
 
+def test_routers_of_one_host_share_the_port_and_forward_straight_by_default() -> None:
+    config = parse("directory: {url: redis://127.0.0.1:6379/0}\n" + PEER)
+    assert config.peer is not None and config.peer.direct
+    assert not config.listen.reuse_port  # a taken port fails loudly unless asked
+    assert directory_settings(config, "127.0.0.1:9903", "boot/1.2/1.3").host == "boot/1.2/1.3"
+    off = parse(
+        "directory: {url: redis://127.0.0.1:6379/0}\n"
+        "peer: {listen: 127.0.0.1:9903, secret_env: PEER_SECRET, direct: false}\n"
+        "listen: {host: 0.0.0.0, port: 8080, reuse_port: true}\n"
+    )
+    assert off.listen.reuse_port
+    assert directory_settings(off, "127.0.0.1:9903", "boot/1.2/1.3").host == ""  # no table
+
+
 def test_key_prefixes_are_turned_on_by_directory_key_prefix() -> None:
     config = parse("directory: {url: redis://127.0.0.1:6379/0, key_prefix: true}\n" + PEER)
     assert config.directory is not None and config.directory.key_prefix
@@ -125,6 +139,13 @@ def test_sentinel_waits_for_one_replica_by_default_and_the_password_comes_from_t
             "peer.secret",
             "inline",
         ),
+        (
+            "directory: {url: redis://a:1/0}\n"
+            "peer: {listen: 127.0.0.1:9903, secret_env: PEER_SECRET, direct: 1}\n",
+            "peer.direct",
+            "true or false",
+        ),
+        ("listen: {port: 8080, reuse_port: 1}\n", "listen.reuse_port", "true or false"),
     ],
 )
 def test_what_a_fleet_config_gets_wrong_is_named(text: str, key_path: str, reason: str) -> None:
