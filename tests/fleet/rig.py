@@ -42,6 +42,7 @@ from typing import Any
 import aiohttp
 import redis
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.directory.conftest import RedisServer
 from tests.e2e.conftest import (
@@ -109,14 +110,21 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no pro
 def admin_json(url: str, token: str, timeout: float = 2.0) -> tuple[int, Any] | None:
     """GET `url` with a bearer token on a new connection: (status, JSON or None), or
     None if unreachable."""
+    reply = admin_get(url, token, timeout)
+    return None if reply is None else (reply[0], _json_or_none(reply[1]))
+
+
+def admin_get(url: str, token: str, timeout: float = 2.0) -> tuple[int, bytes] | None:
+    """GET `url` with a bearer token on a new connection: (status, body), or None if
+    unreachable."""
     headers = {"Connection": "close", "Authorization": f"Bearer {token}"}
     request = urllib.request.Request(url, headers=headers)
     try:
         with _DIRECT.open(request, timeout=timeout) as reply:
-            return int(reply.status), _json_or_none(reply.read())
+            return int(reply.status), reply.read()
     except urllib.error.HTTPError as exc:
         with exc:
-            return int(exc.code), _json_or_none(exc.read())
+            return int(exc.code), exc.read()
     except (OSError, ValueError):
         return None
 
@@ -248,6 +256,18 @@ class FleetRouter:
         """GET an admin path, with the admin token (needed off loopback), on a new
         connection: (status, JSON body or None), or None if unreachable."""
         return admin_json(self.admin_url + path, self.admin_token)
+
+    def sample(self, name: str, **labels: str) -> float:
+        """One sample of the router's /metrics (0 when it has none by that name)."""
+        reply = admin_get(self.admin_url + "/metrics", self.admin_token)
+        assert reply is not None and reply[0] == 200, f"/metrics of {self.router_id}: {reply}"
+        for family in text_string_to_metric_families(reply[1].decode()):
+            for sample in family.samples:
+                if sample.name == name and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
+                    return float(sample.value)
+        return 0.0
 
     def workers(self) -> dict[str, dict[str, Any]]:
         """The admin API's view of every worker, by id ({} while unreachable)."""
