@@ -11,7 +11,10 @@ its pid at the end:
 - A: `directory:` and `peer:`, its workers claiming the same set H (so A and L route the
   same tokens), plus an ended set E claimed and released over its control socket by
   this process (their owner records ended in Redis);
-- B: `directory:` and `peer:`, its workers claiming a set H_B of its own.
+- B: `directory:` and `peer:`, its workers claiming a set H_B of its own; it forwards
+  through peer listeners only (`peer.direct: false`), as a router of another pod does;
+- C: `directory:` and `peer:`, no workers: a router of A's host (`peer.direct`, as A),
+  which sends A's episodes straight to A's workers (shape B).
 
 An absent set X is never claimed. The default workload is 4,096 live episodes in each
 set, requests rotating over all of them. In interleaved rounds (every figure once a
@@ -24,7 +27,8 @@ round, medians over the rounds) it measures:
    tokens, one serial request each: every one a lookup), and Redis lookups per request;
 3. peer-forwarded against direct: serial p50 through B (forwarded to A) and through A,
    each minus the worker's own p50, and the CPU per request of A + B against A's,
-   serially and under the same closed-loop load;
+   serially and under the same closed-loop load; and the same through C (straight to
+   A's worker), with the CPU of A + C;
 4. two routers on one host against one: the closed loop split over A (on H) and B (on
    H_B) against all of it on A: requests per second and CPU per request;
 5. from `kill -9` of a router, and from its SIGTERM, to a 410 for its key on A (polled
@@ -51,12 +55,15 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench import load
 from bench.directory import redis_server
@@ -256,7 +263,20 @@ class RouterSet:
 
     name: str
     router: Child
+    admin_port: int
     workers: list[Child] = field(default_factory=list)
+
+    def forwards(self) -> dict[str, float]:
+        """Its `episode_router_peer_forwards_total` by outcome, from its admin /metrics."""
+        url = f"http://127.0.0.1:{self.admin_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            text = reply.read().decode()
+        found = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "episode_router_peer_forwards_total":
+                    found[sample.labels["outcome"]] = sample.value
+        return found
 
     def stop(self, how: signal.Signals = signal.SIGTERM) -> None:
         if how is signal.SIGKILL and self.router.process.poll() is None:
@@ -268,11 +288,17 @@ class RouterSet:
 
 
 def router_config(
-    folder: Path, port: int, directory_url: str | None, router_id: str, settings: Settings
+    folder: Path,
+    port: int,
+    directory_url: str | None,
+    router_id: str,
+    settings: Settings,
+    direct: bool = False,
+    admin_port: int = 0,
 ) -> str:
     config: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": port},
-        "admin": {"host": "127.0.0.1", "port": free_port()},
+        "admin": {"host": "127.0.0.1", "port": admin_port or free_port()},
         "control": {"socket": f"unix:{folder / 'control.sock'}"},
         "log": {"level": "warning"},
         # Unknown keys are 503 while a started router waits for its workers' syncs
@@ -289,7 +315,11 @@ def router_config(
             "lease_ttl_s": settings.lease_s,
             "lookup_timeout_ms": settings.lookup_timeout_ms,
         }
-        config["peer"] = {"listen": f"127.0.0.1:{free_port()}", "secret_file": str(secret)}
+        config["peer"] = {
+            "listen": f"127.0.0.1:{free_port()}",
+            "secret_file": str(secret),
+            "direct": direct,
+        }
     return json.dumps(config, indent=1) + "\n"
 
 
@@ -300,15 +330,19 @@ def start_router_set(
     episodes: Sequence[Episode],
     settings: Settings,
     workers: int,
+    direct: bool = False,
 ) -> RouterSet:
     """A router named `name` and `workers` bench.workers claiming `episodes` over its
     control socket (returned once every claim is acknowledged: through the directory,
-    for a router with one)."""
+    for a router with one); `direct`: `peer.direct`, straight to (and publishing) the
+    workers of the routers of this host."""
     folder.mkdir()
-    port = free_port()
+    port, admin_port = free_port(), free_port()
     config = folder / "router.yaml"
-    config.write_text(router_config(folder, port, directory_url, name, settings))
-    started = RouterSet(name, start_router(config, port, folder / "router.log"))
+    config.write_text(
+        router_config(folder, port, directory_url, name, settings, direct, admin_port)
+    )
+    started = RouterSet(name, start_router(config, port, folder / "router.log"), admin_port)
     try:
         for w in range(workers):
             keys = [e.key for i, e in enumerate(episodes) if i % workers == w]
@@ -468,12 +502,15 @@ class FleetBench:
 
     def start(self, say: Callable[[str], None]) -> None:
         s = self.settings
-        say(f"starting routers L (no directory), A and B, {s.workers} workers each ...")
+        say(f"starting routers L (no directory), A and B, {s.workers} workers each, and C ...")
         self.sets["L"] = start_router_set(self.folder / "L", "L", None, self.held, s, s.workers)
-        self.sets["A"] = start_router_set(self.folder / "A", "A", self.url, self.held, s, s.workers)
+        self.sets["A"] = start_router_set(
+            self.folder / "A", "A", self.url, self.held, s, s.workers, direct=True
+        )
         self.sets["B"] = start_router_set(
             self.folder / "B", "B", self.url, self.held_b, s, s.workers
         )
+        self.sets["C"] = start_router_set(self.folder / "C", "C", self.url, (), s, 0, direct=True)
         say(f"ending {len(self.ended)} episodes through A ...")
         control = f"unix:{self.folder / 'A' / 'control.sock'}"
         ender_url = f"http://127.0.0.1:{free_port()}"  # never forwarded to: its keys end
@@ -602,36 +639,49 @@ class FleetBench:
         p50s["worker"] = load.percentile(sorted(ns[s.serial_warmup :]), 0.5) / 1000
         self.first_forward(tokens, p50s["worker"])
         cpu = {}
-        for via in ("A", "B"):
+        for via in ("A", "B", "C"):
+            routers = ("A", via if via != "A" else "B")  # the sender's CPU and the owner's
             requests = [load.build_request(t, self.port(via)) for t in tokens]
-            before, before_log = self.cpu("A", "B"), self.log.snapshot()
+            before, before_log = self.cpu(*routers), self.log.snapshot()
             ns, statuses = serial_statuses(self.port(via), requests, count)
-            cpu[via] = (self.cpu("A", "B") - before) / count * 1e6
+            cpu[via] = (self.cpu(*routers) - before) / count * 1e6
             lookups = (self.log.snapshot() - before_log)["lookup"]
             self.samples.add(f"{via} serial lookups", lookups / count)
             self.statuses[f"{via} serial held"] = statuses
             p50s[via] = load.percentile(sorted(ns[s.serial_warmup :]), 0.5) / 1000
         direct, hop = p50s["A"] - p50s["worker"], p50s["B"] - p50s["worker"]
+        straight = p50s["C"] - p50s["worker"]
         self.samples.add("direct added p50", direct)
         self.samples.add("forwarded added p50", hop)
         self.samples.add("forwarded p50 ratio", ratio(hop, direct))
+        self.samples.add("straight added p50", straight)
+        self.samples.add("straight p50 ratio", ratio(straight, direct))
         self.samples.add("direct serial cpu", cpu["A"])
         self.samples.add("forwarded serial cpu", cpu["B"])
         self.samples.add("forwarded cpu ratio", ratio(cpu["B"], cpu["A"]))
+        self.samples.add("straight serial cpu", cpu["C"])
+        self.samples.add("straight cpu ratio", ratio(cpu["C"], cpu["A"]))
         # The same episodes under closed-loop load: a serial request's CPU is mostly
         # its routers' wake-ups (two more processes in the chain), a loaded one's their
         # work per request.
         loaded = {}
-        for via in ("A", "B"):
-            before = self.cpu("A", "B")
+        for via in ("A", "B", "C"):
+            routers = ("A", via if via != "A" else "B")
+            before = self.cpu(*routers)
             result = self.loader.closed(self.port(via), "forwarded", tokens, s.connections)
             if not result.requests:
                 raise RuntimeError(f"no request answered via {via} under load")
-            loaded[via] = (self.cpu("A", "B") - before) / result.requests * 1e6
+            loaded[via] = (self.cpu(*routers) - before) / result.requests * 1e6
             self.samples.add(f"{via} load errors", result.errors)
         self.samples.add("direct load cpu", loaded["A"])
         self.samples.add("forwarded load cpu", loaded["B"])
         self.samples.add("forwarded load cpu ratio", ratio(loaded["B"], loaded["A"]))
+        self.samples.add("straight load cpu", loaded["C"])
+        outcomes = self.sets["C"].forwards()
+        self.samples.add(
+            "straight share", outcomes.get("direct", 0) / max(1, sum(outcomes.values()))
+        )
+        self.samples.add("straight load cpu ratio", ratio(loaded["C"], loaded["A"]))
 
     def first_forward(self, tokens: Sequence[str], worker_p50_us: float) -> None:
         """Each episode's first call through B (its owner looked up), one pass over
@@ -764,6 +814,18 @@ def rows_of(bench: FleetBench, full: bool) -> list[Row]:
             "x", "<= 2.2", judged(m("forwarded load cpu ratio"), lambda v: v <= 2.2)),
         Row("3", "direct under load: non-2xx replies and errors", m("A load errors"), ""),
         Row("3", "forwarded under load: non-2xx replies and errors", m("B load errors"), ""),
+        Row("3", "via C (straight to A's worker, one host): added p50", m("straight added p50"),
+            "us"),
+        Row("3", "straight / direct, added p50", m("straight p50 ratio"), "x"),
+        Row("3", "straight: CPU per serial request (A + C)", m("straight serial cpu"), "us"),
+        Row("3", "straight / direct, CPU per request", m("straight cpu ratio"), "x"),
+        Row("3", "straight: CPU per request under load (A + C)", m("straight load cpu"), "us"),
+        Row("3", "straight / direct, CPU per request under load",
+            m("straight load cpu ratio"), "x"),
+        Row("3", "straight: Redis lookups per request (on C)", m("C serial lookups"), ""),
+        Row("3", "straight under load: non-2xx replies and errors", m("C load errors"), ""),
+        Row("3", "straight: share of C's forwards that went straight (not hopped)",
+            m("straight share"), ""),
         Row("3", "an episode's first call via B: lookups per request", m("first forward lookups"),
             ""),
         Row("3", "an episode's first call via B (its owner looked up): added p50",
@@ -799,7 +861,7 @@ def run_fleet(settings: Settings, say: Callable[[str], None] = print) -> list[Ro
                 ("absent", bench.absent),
                 ("ended", bench.ended),
             ):
-                for router in ("L", "A") if name != "held" else ("L", "A", "B"):
+                for router in ("L", "A") if name != "held" else ("L", "A", "B", "C"):
                     bench.check_statuses(router, name, [e.token for e in episodes])
             for number in range(1, settings.rounds + 1):
                 bench.round(say, number)

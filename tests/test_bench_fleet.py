@@ -67,7 +67,7 @@ def test_a_quick_run_prints_every_row_with_sane_figures() -> None:
     redis_server_binary()  # fails with the package to install when it is missing
     printed: list[str] = []
     rows = run_fleet(Settings.quick(episodes=32, cold_requests=50), printed.append)
-    assert len(rows) == 37
+    assert len(rows) == 46
     for row in rows:
         assert row.value is not None and math.isfinite(row.value), row
         assert row.met is None or row.name.startswith("Redis commands") or row.item == "2"
@@ -84,9 +84,16 @@ def test_a_quick_run_prints_every_row_with_sane_figures() -> None:
     assert by_name["forwarded under load: non-2xx replies and errors"] == 0
     later = by_name["forwarded: Redis lookups per request (on B)"]
     assert later is not None and later < 0.5
+    # C, of A's host, sent A's episodes straight to A's workers: served, and mostly
+    # from its lookup cache too.
+    assert by_name["straight under load: non-2xx replies and errors"] == 0
+    straight = by_name["straight: Redis lookups per request (on C)"]
+    assert straight is not None and straight < 0.5
+    assert by_name["straight: share of C's forwards that went straight (not hopped)"] == 1.0
     lease = Settings.quick().lease_s
     kill = by_name["kill -9 to 410 on the other router"]
     assert kill is not None and 0 < kill < 3 * lease + 5
     statuses = next(line for line in printed if line.startswith("statuses: "))
     assert "A absent: {401: 32}" in statuses and "A ended: {410: 32}" in statuses
+    assert "C held: {200: 32}" in statuses
     assert any("item figure" in line for line in printed)
