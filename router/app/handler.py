@@ -233,8 +233,11 @@ class PublicHandler(ExchangeOwner):
                     # The lookup cache's answer: acted on at once, no task for it, and a
                     # hop to its owner on the relay's lane when it can go at once.
                     if lane and found_there.meaning is RequestMeaning.PEER:
-                        if self._straight_to(exchange, kind, found_there) is not None:
-                            return self._to_owner_worker(exchange, kind, key, found_there)
+                        worker = self._straight_to(exchange, kind, found_there)
+                        if worker is not None:
+                            return self._straight_from_the_cache(
+                                exchange, kind, key, found_there, worker
+                            )
                         return self._hop_from_the_cache(exchange, kind, key, found_there)
                     return self._settle(exchange, kind, key, found_there, None)
                 if claim is not None and self._lease_lapsed(exchange, claim, key):
@@ -364,10 +367,54 @@ class PublicHandler(ExchangeOwner):
             return None
         return worker
 
-    async def _to_owner_worker(
-        self, exchange: Exchange, kind: str, key: str, found: Lookup
+    def _straight_from_the_cache(
+        self, exchange: Exchange, kind: str, key: str, found: Lookup, worker: OwnerWorker
+    ) -> OnTheLane | Coroutine[Any, Any, None]:
+        """The cached answer's straight forward on the relay's lane (`Forwarder.start`)
+        when it can go at once, as a local forward does; else as a coroutine."""
+        upstream, extra = owner_worker_destination(worker)
+        straight = StraightForward(self, exchange, kind, key, found)
+        if self.forwarder.start(
+            exchange.request,
+            upstream,
+            straight,
+            extra_headers=extra,
+            public_base=public_base(exchange.request.host),
+            body=exchange.body,
+        ):
+            return _ON_THE_LANE
+        return self._to_owner_worker(exchange, kind, key, found)
+
+    def straight_done(
+        self, straight: StraightForward, result: int | Coroutine[Any, Any, int]
     ) -> None:
-        """The request straight to the worker that holds `key` (shape B), with its boot:
+        """The relay's callback for a straight forward on its lane: the reply went out
+        (`result` is its status), or the rest of it is a coroutine to run."""
+        exchange = straight.exchange
+        request = exchange.request
+        if isinstance(result, int):
+            fleet = self.fleet
+            assert fleet is not None
+            fleet.counts.peer_forward("direct")
+            exchange.status = result
+            self._finish(exchange)
+            request.client.finished(request)
+            return
+        request.client.carry_on(
+            request,
+            self._to_owner_worker(exchange, straight.kind, straight.key, straight.found, result),
+        )
+
+    async def _to_owner_worker(
+        self,
+        exchange: Exchange,
+        kind: str,
+        key: str,
+        found: Lookup,
+        started: Coroutine[Any, Any, int] | None = None,
+    ) -> None:
+        """The request straight to the worker that holds `key` (shape B), with its boot,
+        from its start or from the rest of one its lane handed over (`started`):
         another process on that address refuses it (410). One nothing of which reached
         the worker (it exited, or its address is gone) goes through its owner's peer
         listener instead, whose table answers (410 for an exited worker); a failure
@@ -378,17 +425,19 @@ class PublicHandler(ExchangeOwner):
         assert worker is not None
         self._decision_observed(exchange)
         request = exchange.request
-        _continue_if_expected(request)
-        upstream, extra = owner_worker_destination(worker)
+        if started is None:
+            _continue_if_expected(request)
+            upstream, extra = owner_worker_destination(worker)
+            started = self.forwarder.forward(
+                request,
+                upstream,
+                extra_headers=extra,
+                public_base=public_base(request.host),
+                body=exchange.body,
+            )
         try:
             try:
-                exchange.status = await self.forwarder.forward(
-                    request,
-                    upstream,
-                    extra_headers=extra,
-                    public_base=public_base(request.host),
-                    body=exchange.body,
-                )
+                exchange.status = await started
             except UpstreamFailure as raised:
                 failure = as_value(raised)
                 if exchange.failed_by_client(failure):
@@ -822,6 +871,25 @@ class PublicHandler(ExchangeOwner):
             self._wall_clock(),
             exchange.body,
         )
+
+
+class StraightForward(LaneDone):
+    """A straight forward to another router's worker (shape B) on the relay's lane:
+    its callback (`router.relay.LaneDone`)."""
+
+    __slots__ = ("exchange", "found", "handler", "key", "kind")
+
+    def __init__(
+        self, handler: PublicHandler, exchange: Exchange, kind: str, key: str, found: Lookup
+    ) -> None:
+        self.handler = handler
+        self.exchange = exchange
+        self.kind = kind
+        self.key = key
+        self.found = found
+
+    def lane_done(self, result: int | Coroutine[Any, Any, int]) -> None:
+        self.handler.straight_done(self, result)
 
 
 class PeerHop(LaneDone):
