@@ -57,23 +57,26 @@ def destination(decision: Forward, host: str) -> tuple[Upstream, dict[str, str],
     return kept.upstream, kept.extra, public_base(host)
 
 
-# Another router's workers forwarded to straight (shape B), by (url, boot): emptied when
-# this many, as the destinations above.
-_OWNER_WORKERS: Final[dict[OwnerWorker, tuple[Upstream, dict[str, str]]]] = {}
+# Another router's workers forwarded to straight (shape B), by address: (the upstream,
+# the boot header, that boot). Emptied when this many, as the destinations above. Keyed
+# by the address string, not the OwnerWorker: a frozen dataclass's hash and equality
+# run interpreted, a request's cost in the compiled build.
+_OWNER_WORKERS: Final[dict[str, tuple[Upstream, dict[str, str], str]]] = {}
 
 
 def owner_worker_destination(worker: OwnerWorker) -> tuple[Upstream, dict[str, str]]:
-    """Where a forward straight to another router's worker goes (one pool per address
-    and boot: a new process at the address gets a pool of its own), and its boot header."""
-    kept = _OWNER_WORKERS.get(worker)
-    if kept is None:
+    """Where a forward straight to another router's worker goes (one pool per address),
+    and its boot header (a new process at the address has another boot)."""
+    kept = _OWNER_WORKERS.get(worker.url)
+    if kept is None or kept[2] != worker.boot:
         if len(_OWNER_WORKERS) >= MAX_KEPT_DESTINATIONS:
             _OWNER_WORKERS.clear()
-        kept = _OWNER_WORKERS[worker] = (
+        kept = _OWNER_WORKERS[worker.url] = (
             Upstream(f"owner-worker:{worker.url}", worker.url),
             {BOOT_HEADER: worker.boot},
+            worker.boot,
         )
-    return kept
+    return kept[0], kept[1]
 
 
 class _LastBase:

@@ -85,13 +85,23 @@ class FleetCounts:
         self.peer_refused[reason] = self.peer_refused.get(reason, 0) + 1
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen, and its own __init__: one is made per request a cached answer routes,
+# and the compiled build compiles this one, where a dataclass's generated __init__ runs
+# interpreted (a third of `FleetLink.cached`, perf on bench.fleet's load).
+@dataclass(slots=True, init=False)
 class Lookup:
     """What a key the local table does not know means, and where its owner listens."""
 
     meaning: RequestMeaning
-    result: LookupResult | None = None
-    cached: bool = False  # from the lookup cache, not asked of the directory just now
+    result: LookupResult | None
+    cached: bool  # from the lookup cache, not asked of the directory just now
+
+    def __init__(
+        self, meaning: RequestMeaning, result: LookupResult | None = None, cached: bool = False
+    ) -> None:
+        self.meaning = meaning
+        self.result = result
+        self.cached = cached
 
     @property
     def receiver(self) -> str:
@@ -144,6 +154,10 @@ class FleetLink:
             self._workers = PublishedWorkers()
             core.on_worker_change = self.worker_changed
         self._publishing = False
+        # Read on every cached answer: the settings' properties run interpreted.
+        self._router_id = self.settings.router_id
+        self._lease_ms = self.settings.lease_ms
+        self._incarnation = ("", -1)  # the peer header's name for the epoch last asked
 
     # -- start and stop -------------------------------------------------------------
 
@@ -154,9 +168,15 @@ class FleetLink:
     @property
     def incarnation(self) -> str:
         """This router's current incarnation as the peer header names it ("" before
-        the first registration)."""
+        the first registration); formatted once an epoch (every hop asks)."""
         epoch = self.directory.epoch
-        return f"{self.router_id}:{epoch}" if epoch is not None else ""
+        if epoch is None:
+            return ""
+        name, named = self._incarnation
+        if named != epoch:
+            name = f"{self._router_id}:{epoch}"
+            self._incarnation = (name, epoch)
+        return name
 
     def key_prefix(self) -> str | None:
         """The prefix the hello reply offers workers (`directory.key_prefix`): this
@@ -545,11 +565,14 @@ class FleetLink:
         )
 
     def _meaning(self, found: KeyLookup, epoch: int) -> RequestMeaning:
-        return meaning_of(found.result, found.fleet, self.router_id, epoch, self.settings.lease_ms)
+        return meaning_of(found.result, found.fleet, self._router_id, epoch, self._lease_ms)
 
     def _count_lookup(self, meaning: RequestMeaning) -> None:
         counts = self.counts.lookups
-        counts[meaning.value] = counts.get(meaning.value, 0) + 1
+        # `_value_`, not `value`: an enum's `value` is a property that runs interpreted,
+        # a request's cost in the compiled build.
+        label: str = meaning._value_
+        counts[label] = counts.get(label, 0) + 1
 
     def _count_error(self, call: str) -> None:
         errors = self.counts.directory_errors
