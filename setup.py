@@ -88,6 +88,9 @@ COMPILED_MODULES = [
     "router/fleet/answers.py",
     "router/fleet/signature.py",
     "router/fleet/link.py",
+    # The peer listener checks every hop's X-Forwarded-For (`is_ip`): interpreted, it
+    # was a fortieth of the receiving router's CPU (perf on bench.fleet's forwarded load).
+    "router/protocol/addresses.py",
     # A miss's lookup: the batcher, the directory client and the records it decodes
     # (the first ask of an absent key under load, bench.fleet's rows on 4,096 episodes,
     # interleaved in one hour: +10.9 us a request over a router without a directory

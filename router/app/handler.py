@@ -288,7 +288,7 @@ class PublicHandler(ExchangeOwner):
             request.method,
             request.target,
             session,
-            round(self._wall_clock() * 1000),
+            int(self._wall_clock() * 1000),
         )
         if isinstance(hop, str):
             fleet.counts.refused_hop("signature")
@@ -574,7 +574,7 @@ class PublicHandler(ExchangeOwner):
             (kind, key),
             fleet.incarnation,
             found.receiver,
-            round(self._wall_clock() * 1000),
+            int(self._wall_clock() * 1000),
         )
 
     async def _hop(
