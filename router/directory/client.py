@@ -21,6 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router.directory.batcher import Batcher
 from router.directory.breaker import CircuitBreaker
+from router.directory.cache import LookupCache
 from router.directory.errors import (
     DirectoryFenced,
     DirectoryReplyError,
@@ -89,7 +90,11 @@ class Directory:
         # lookup_one answers from its cache (absent, ended and dead answers only).
         self._tracking = tracking
         self._lookups: Batcher[SessionKey, KeyLookup] = Batcher(
-            "lookup", self._lookup_batch, settings.lookup_timeout_ms / 1000, settings.batch_limit
+            "lookup",
+            self._lookup_batch,
+            settings.lookup_timeout_ms / 1000,
+            settings.batch_limit,
+            start=self._start_tracked_lookup,
         )
         self._claims: Batcher[ClaimKey, ClaimOutcome] = Batcher(
             "claim", self._claim_within, settings.claim_timeout_s, settings.batch_limit
@@ -290,20 +295,38 @@ class Directory:
         return decode_lookup(reply, len(keys))
 
     async def _lookup_batch(self, keys: list[SessionKey], deadline_s: float) -> list[KeyLookup]:
+        """A batch's lookup on the pooled client: the tracked connection is not up."""
+        batch = await self._lookup_within(keys, deadline_s)
+        return [KeyLookup(result, batch.fleet) for result in batch.results]
+
+    def _start_tracked_lookup(
+        self,
+        keys: list[SessionKey],
+        deadline_s: float,
+        answered: Callable[[Sequence[KeyLookup] | Exception], None],
+    ) -> bool:
+        """A batch's lookup on the tracked connection, its answers stored in the cache
+        and handed to `answered` from the reply's own loop callback (no task: see
+        batcher.py); False while that connection is not up."""
         tracking = self._tracking
         if tracking is None or not tracking.connected.is_set():
-            batch = await self._lookup_within(keys, deadline_s)
-            return [KeyLookup(result, batch.fleet) for result in batch.results]
+            return False
+        if not self._breaker.allow(self._clock()):
+            answered(DirectoryUnavailable("the directory's circuit breaker is open"))
+            return True
         s = self.settings
         owners = self._owners(keys)
-        generation = tracking.cache.generation  # what the cache knew when this went out
-        sent_at = time.monotonic()  # the cache's clock
+        call = _TrackedLookup(self._breaker, self._clock, tracking.cache, owners, answered)
         args = (self.layout.prefix, s.lease_ms, s.quiet_ms, s.host)
-        reply = await self._guarded(tracking.lookup(owners, args), deadline_s)
-        batch = decode_lookup(reply, len(keys))
-        lookups = [KeyLookup(result, batch.fleet) for result in batch.results]
-        tracking.cache.store(owners, lookups, generation, sent_at)
-        return lookups
+        try:
+            tracking.lookup_then(owners, args, call.replied)
+        except DirectoryUnavailable as error:
+            call.replied(error)
+            return True
+        call.deadline = asyncio.get_running_loop().call_later(
+            deadline_s, call.timed_out, deadline_s
+        )
+        return True
 
     def _owners(self, keys: Sequence[SessionKey]) -> list[str]:
         owner = self.layout.owner
@@ -357,3 +380,63 @@ class Directory:
             raise
         self._breaker.succeeded()
         return reply
+
+
+class _TrackedLookup:
+    """One batch's lookup on the tracked connection: its reply or its deadline,
+    whichever comes first, answers the batch (as `_guarded` would: the breaker told,
+    the errors ours); a held answer is kept in the cache."""
+
+    __slots__ = (
+        "_answered",
+        "_breaker",
+        "_cache",
+        "_clock",
+        "_generation",
+        "_owners",
+        "_sent_at",
+        "deadline",
+    )
+
+    def __init__(
+        self,
+        breaker: CircuitBreaker,
+        clock: Callable[[], float],
+        cache: LookupCache,
+        owners: list[str],
+        answered: Callable[[Sequence[KeyLookup] | Exception], None],
+    ) -> None:
+        self._breaker = breaker
+        self._clock = clock
+        self._cache = cache
+        self._owners = owners
+        self._answered: Callable[[Sequence[KeyLookup] | Exception], None] | None = answered
+        self._generation = cache.generation  # what the cache knew when this went out
+        self._sent_at = time.monotonic()  # the cache's clock
+        self.deadline: asyncio.TimerHandle | None = None
+
+    def replied(self, reply: object) -> None:
+        answered, self._answered = self._answered, None
+        if answered is None:  # past its deadline: answered already
+            return
+        if self.deadline is not None:
+            self.deadline.cancel()
+        if isinstance(reply, DirectoryUnavailable):  # the connection closed, or an error
+            self._breaker.failed(self._clock())
+            answered(reply)
+            return
+        self._breaker.succeeded()
+        try:
+            batch = decode_lookup(reply, len(self._owners))
+        except DirectoryReplyError as error:
+            answered(error)
+            return
+        lookups = [KeyLookup(result, batch.fleet) for result in batch.results]
+        self._cache.store(self._owners, lookups, self._generation, self._sent_at)
+        answered(lookups)
+
+    def timed_out(self, deadline_s: float) -> None:
+        answered, self._answered = self._answered, None
+        if answered is not None:
+            self._breaker.failed(self._clock())
+            answered(DirectoryTimeout(f"the directory did not answer within {deadline_s}s"))

@@ -19,7 +19,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import hiredis
 from redis.asyncio.connection import parse_url
@@ -43,80 +43,113 @@ RECONNECT_AFTER_S = 5.0
 READ_SIZE = 65536
 
 
-class _Connection:
-    """One RESP2 connection: requests answered in order; anything else to `on_message`."""
+# What waits for a reply on a connection: a future, or a callback the reply (or the
+# DirectoryUnavailable of a closed connection) is handed to as it is read.
+_Waiter = asyncio.Future[Any] | Callable[[object], None]
+
+
+class _Connection(asyncio.Protocol):
+    """One RESP2 connection: requests answered in order; anything else to `on_message`.
+
+    A protocol, not a stream pair: a reply is parsed and handed over in the loop
+    callback that read it. A first ask's lookup (design §10) waits on one round trip,
+    and a reader task behind a StreamReader cost it a loop turn and 10-20 µs of
+    interpreted code a call (bench.fleet's serial first ask)."""
 
     def __init__(
         self,
         on_message: Callable[[object], None] | None = None,
         on_item: Callable[[], None] | None = None,
     ) -> None:
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._transport: asyncio.Transport | None = None
         self._parser = hiredis.Reader(encoding="utf-8")
-        self._waiting: deque[asyncio.Future[Any]] = deque()
+        self._waiting: deque[_Waiter] = deque()
         self._on_message = on_message
         self._on_item = on_item
         self.closed = asyncio.Event()
 
     async def open(self, address: dict[str, Any]) -> None:
+        loop = asyncio.get_running_loop()
         if "path" in address:
-            self._reader, self._writer = await asyncio.open_unix_connection(address["path"])
+            await loop.create_unix_connection(lambda: self, address["path"])
         else:
-            self._reader, self._writer = await asyncio.open_connection(
-                address.get("host", "127.0.0.1"), address.get("port", 6379)
-            )
+            host, port = address.get("host", "127.0.0.1"), address.get("port", 6379)
+            await loop.create_connection(lambda: self, host, port)
         if address.get("password"):
             auth = [address["username"]] if address.get("username") else []
             await self.call("AUTH", *auth, address["password"])
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream transport (uvloop's is not registered as an asyncio.Transport).
+        self._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed(data)
+            while (item := self._parser.gets()) is not False:
+                self._deliver(item)
+        except hiredis.ProtocolError as error:
+            log.warning("the directory sent what is not RESP: %s", error)
+            self.close()
+            return
+        if self._on_item is not None:
+            self._on_item()
+
+    def eof_received(self) -> bool:
+        self.close()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.close()
+
     def call(self, *args: str | int) -> asyncio.Future[Any]:
         """Send a command; the future gets its reply (a hiredis.ReplyError for an error)."""
-        if self._writer is None or self.closed.is_set():
-            raise DirectoryUnavailable("the tracked connection is closed")
         reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiting.append(reply)
-        # hiredis's stub types a one-element tuple where it takes any number of them.
-        self._writer.write(hiredis.pack_command(args))  # type: ignore[arg-type]
+        self.call_then(reply, *args)
         return reply
 
-    async def read_until_closed(self) -> None:
-        assert self._reader is not None
-        try:
-            while data := await self._reader.read(READ_SIZE):
-                self._parser.feed(data)
-                while (item := self._parser.gets()) is not False:
-                    self._deliver(item)
-                if self._on_item is not None:
-                    self._on_item()
-        except OSError:
-            pass
-        finally:
-            self.close()
+    def call_then(self, waiter: _Waiter, *args: str | int) -> None:
+        """Send a command; `waiter` gets its reply (a future its result, a callback the
+        reply itself). Raises DirectoryUnavailable if the connection is closed."""
+        transport = self._transport
+        if transport is None or self.closed.is_set():
+            raise DirectoryUnavailable("the tracked connection is closed")
+        self._waiting.append(waiter)
+        # hiredis's stub types a one-element tuple where it takes any number of them.
+        transport.write(hiredis.pack_command(args))  # type: ignore[arg-type]
 
     def send(self, *args: str | int) -> None:
         """Send a command whose reply nobody waits for (it goes to `on_message`)."""
-        if self._writer is not None and not self.closed.is_set():
-            self._writer.write(hiredis.pack_command(args))  # type: ignore[arg-type]
+        if self._transport is not None and not self.closed.is_set():
+            self._transport.write(hiredis.pack_command(args))  # type: ignore[arg-type]
 
     def _deliver(self, item: object) -> None:
         if self._on_message is not None and isinstance(item, list) and item[:1] == ["message"]:
             self._on_message(item)  # a published message is never a reply
         elif self._waiting:
-            reply = self._waiting.popleft()
-            if not reply.done():  # a caller past its deadline cancelled its own
-                reply.set_result(item)
+            _hand(self._waiting.popleft(), item)
         elif self._on_message is not None:
             self._on_message(item)
 
     def close(self) -> None:
+        if self.closed.is_set():
+            return
         self.closed.set()
-        if self._writer is not None:
-            self._writer.close()
+        if self._transport is not None:
+            self._transport.close()
         while self._waiting:
-            reply = self._waiting.popleft()
-            if not reply.done():
-                reply.set_exception(DirectoryUnavailable("the tracked connection closed"))
+            _hand(self._waiting.popleft(), DirectoryUnavailable("the tracked connection closed"))
+
+
+def _hand(waiter: _Waiter, item: object) -> None:
+    if isinstance(waiter, asyncio.Future):
+        if not waiter.done():  # a caller past its deadline cancelled its own
+            if isinstance(item, DirectoryUnavailable):
+                waiter.set_exception(item)
+            else:
+                waiter.set_result(item)
+    else:
+        waiter(item)
 
 
 class TrackedLookups:
@@ -150,19 +183,18 @@ class TrackedLookups:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    async def lookup(self, keys: Sequence[str], args: Sequence[str | int]) -> object:
-        """Run the lookup script on the tracked connection (NOSCRIPT: load, run again)."""
+    def lookup_then(
+        self, keys: Sequence[str], args: Sequence[str | int], then: Callable[[object], None]
+    ) -> None:
+        """Run the lookup script on the tracked connection; `then` gets its reply, or a
+        DirectoryUnavailable (NOSCRIPT: the script is loaded and run again first).
+        Raises DirectoryUnavailable if the connection is not up."""
         connection = self._lookups
         if connection is None or not self.connected.is_set():
             raise DirectoryUnavailable("the tracked lookup connection is not up")
-        sha = self._scripts.sha(Script.LOOKUP)
-        reply = await connection.call("EVALSHA", sha, len(keys), *keys, *args)
-        if isinstance(reply, hiredis.ReplyError) and str(reply).startswith("NOSCRIPT"):
-            await connection.call("SCRIPT", "LOAD", self._scripts.source(Script.LOOKUP))
-            reply = await connection.call("EVALSHA", sha, len(keys), *keys, *args)
-        if isinstance(reply, hiredis.ReplyError):
-            raise DirectoryUnavailable(f"the lookup failed: {reply}")
-        return reply
+        command = ("EVALSHA", self._scripts.sha(Script.LOOKUP), len(keys), *keys, *args)
+        source = self._scripts.source(Script.LOOKUP)
+        connection.call_then(_LookupReply(connection, command, source, then), *command)
 
     async def _run(self) -> None:
         while True:
@@ -177,18 +209,13 @@ class TrackedLookups:
     async def _connect_and_watch(self) -> None:
         channel = _Connection(self._on_channel_message, self._heard)
         lookups = _Connection()
-        readers: list[asyncio.Task[None]] = []
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(SETUP_TIMEOUT_S):
                 await channel.open(self._address)
-                reader = loop.create_task(channel.read_until_closed(), name="directory-channel")
-                readers.append(reader)
                 channel_id = await channel.call("CLIENT", "ID")
                 await channel.call("SUBSCRIBE", INVALIDATE)
                 await lookups.open(self._address)
-                reader = loop.create_task(lookups.read_until_closed(), name="directory-tracked")
-                readers.append(reader)
                 on = await lookups.call("CLIENT", "TRACKING", "ON", "REDIRECT", channel_id)
             if isinstance(on, hiredis.ReplyError):
                 raise DirectoryUnavailable(f"client tracking refused: {on}")
@@ -210,9 +237,6 @@ class TrackedLookups:
         finally:
             channel.close()
             lookups.close()
-            for reader in readers:
-                reader.cancel()
-            await asyncio.gather(*readers, return_exceptions=True)
 
     async def _ping(self, channel: _Connection) -> None:
         """PING the channel every PING_S (a subscribed connection answers it); give the
@@ -239,3 +263,41 @@ class TrackedLookups:
         if isinstance(message, list) and len(message) == 3 and message[0] == "message":
             keys = message[2]
             self.cache.invalidate(keys if isinstance(keys, list) else None)
+
+
+class _LookupReply:
+    """The callback a tracked lookup's reply is handed to: a NOSCRIPT (a Redis that
+    restarted, or flushed its scripts) loads the script and runs the lookup once more;
+    an error reply is a DirectoryUnavailable; anything else goes to `then` as it is."""
+
+    __slots__ = ("_command", "_connection", "_retried", "_source", "_then")
+
+    def __init__(
+        self,
+        connection: _Connection,
+        command: tuple[str | int, ...],
+        source: str,
+        then: Callable[[object], None],
+    ) -> None:
+        self._connection = connection
+        self._command = command
+        self._source = source
+        self._then = then
+        self._retried = False
+
+    def __call__(self, reply: object) -> None:
+        if isinstance(reply, hiredis.ReplyError):
+            if str(reply).startswith("NOSCRIPT") and not self._retried:
+                self._retried = True
+                try:
+                    self._connection.call_then(_ignore, "SCRIPT", "LOAD", self._source)
+                    self._connection.call_then(self, *self._command)
+                except DirectoryUnavailable as error:
+                    self._then(error)
+                return
+            reply = DirectoryUnavailable(f"the lookup failed: {reply}")
+        self._then(reply)
+
+
+def _ignore(reply: object) -> None:
+    """A reply nobody needs (a SCRIPT LOAD's: the EVALSHA after it says if it took)."""

@@ -18,6 +18,7 @@ from router.directory import (
     KeyLookup,
     LookupResult,
     LookupState,
+    open_redis,
 )
 from router.directory.cache import LookupCache
 from router.directory.keys import KeyLayout
@@ -310,6 +311,55 @@ async def test_tracked_lookups_work_over_a_unix_socket(
         assert len(tracking.cache) == 1  # looked up on the tracked connection: kept
     finally:
         await tracking.stop()
+
+
+async def test_one_loop_turns_lookups_go_out_as_one_call_on_the_tracked_connection(
+    tracked: tuple[Directory, TrackedLookups], redis_server: RedisServer
+) -> None:
+    directory, tracking = tracked
+    calls = redis_server.script_calls()
+    keys = [f"turn-{n}" for n in range(50)]
+    found = await asyncio.gather(*(directory.lookup_one("episode", key) for key in keys))
+    assert [f.result.state for f in found] == [LookupState.ABSENT] * 50
+    assert redis_server.script_calls() == calls + 1
+    assert len(tracking.cache) == 50
+
+
+async def test_a_tracked_lookup_after_a_script_flush_loads_the_script_and_answers(
+    tracked: tuple[Directory, TrackedLookups], redis_client: Redis
+) -> None:
+    directory, tracking = tracked
+    await redis_client.script_flush()
+    found = await directory.lookup_one("episode", "after-flush")
+    assert found.result.state is LookupState.ABSENT
+    assert len(tracking.cache) == 1  # on the tracked connection, not the pooled client
+
+
+def test_tracked_lookups_work_on_uvloop(redis_server: RedisServer) -> None:
+    """The router runs on uvloop, whose transports are not asyncio.Transport's."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def body() -> None:
+        client = open_redis(redis_server.url)
+        tracking = TrackedLookups(redis_server.url, LookupCache(lease_ms=0), ScriptRunner())
+        directory = Directory(client, settings("r1"), tracking=tracking)
+        try:
+            await directory.load_scripts()
+            await directory.register()
+            tracking.start()
+            async with asyncio.timeout(10):
+                await tracking.connected.wait()
+            calls = redis_server.script_calls()
+            first = await directory.lookup_one("episode", "on-uvloop")
+            assert first.result.state is LookupState.ABSENT
+            assert len(tracking.cache) == 1 and tracking.sessions == 1
+            assert await directory.lookup_one("episode", "on-uvloop") == first
+            assert redis_server.script_calls() == calls + 1  # the second from the cache
+        finally:
+            await tracking.stop()
+            await client.aclose()
+
+    uvloop.run(body())
 
 
 async def test_a_silent_channel_stops_cached_answers_within_the_silence_bound(
