@@ -68,7 +68,7 @@ def test_a_quick_run_prints_every_row_with_sane_figures() -> None:
     redis_server_binary()  # fails with the package to install when it is missing
     printed: list[str] = []
     rows = run_fleet(Settings.quick(episodes=32, cold_requests=50), printed.append)
-    assert len(rows) == 46
+    assert len(rows) == 48
     for row in rows:
         assert row.value is not None and math.isfinite(row.value), row
         assert row.met is None or row.name.startswith("Redis commands") or row.item == "2"
