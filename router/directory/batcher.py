@@ -18,8 +18,9 @@ no coroutine, which writes its call and hands the answers (or the error) to
 `answered` once, from whatever loop callback has them, and returns True; or returns
 False when it cannot (the batch then goes the task's way). The tracked lookups use it:
 a first ask's lookup waits on one round trip, and the batch's task, its coroutine
-chain and its `asyncio.timeout` cost it two loop turns and about 20 µs of CPU a call
-(bench.fleet's serial first ask).
+chain and its `asyncio.timeout`, with the reader task tracking.py had then, cost a
+serial first ask three loop turns and 28 µs of CPU (docs/performance.md, "A first
+ask, serially").
 """
 
 from __future__ import annotations
@@ -129,7 +130,11 @@ class Batcher(Generic[K, R]):
         for keys, waiters in self._pending.take(self._limit):
             if start is not None:
                 answered = _Answered(keys, waiters)
-                if start(keys, max(deadline_at - loop.time(), 0.0), answered):
+                try:
+                    if start(keys, max(deadline_at - loop.time(), 0.0), answered):
+                        continue
+                except Exception as error:  # its callers answered, not left waiting
+                    answered(error)
                     continue
             answer = self._answer(keys, waiters, deadline_at)
             task = loop.create_task(answer, name=f"directory-{self._name}")
