@@ -40,7 +40,6 @@ SETUP_TIMEOUT_S = 2.0
 # 5 s without a pong: the connections are given up and made again (a link cut without a
 # close would otherwise hold them, silent, until TCP gives up, which takes minutes).
 RECONNECT_AFTER_S = 5.0
-READ_SIZE = 65536
 
 
 # What waits for a reply on a connection: a future, or a callback the reply (or the
