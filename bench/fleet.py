@@ -75,8 +75,8 @@ from bench.launch import (
     Child,
     free_port,
     raise_fd_limit,
-    start_child,
     start_router,
+    start_server,
     start_worker,
 )
 from bench.procstat import run_seconds
@@ -443,13 +443,7 @@ def start_reference(folder: Path, mode: str, redis_port: int) -> Child:
     port = free_port()
     argv = [sys.executable, "-m", "bench.roundtrip", "--mode", mode, "--port", str(port)]
     argv += ["--redis-port", str(redis_port)]
-    child = start_child(f"roundtrip-{mode}", argv, folder / f"roundtrip-{mode}.log")
-    try:
-        child.wait_for_port(port)
-    except Exception:
-        child.stop()
-        raise
-    return child
+    return start_server(f"roundtrip-{mode}", argv, folder / f"roundtrip-{mode}.log", port)
 
 
 class Loader:

@@ -31,6 +31,7 @@ __all__ = [
     "raise_fd_limit",
     "start_child",
     "start_router",
+    "start_server",
     "start_worker",
 ]
 
@@ -170,16 +171,22 @@ def start_child(
     return Child(name, process, log_path)
 
 
-def start_router(config_path: Path, port: int, log_path: Path) -> Child:
-    """`python -m router.cli run --config FILE`, waited for until its public port serves."""
-    argv = (sys.executable, "-m", "router.cli", "run", "--config", str(config_path))
-    child = start_child("router", argv, log_path)
+def start_server(name: str, argv: Sequence[str], log_path: Path, port: int) -> Child:
+    """`start_child`, waited for until `port` serves (stopped, and StartFailure raised,
+    if it exits or never does)."""
+    child = start_child(name, argv, log_path)
     try:
         child.wait_for_port(port)
     except StartFailure:
         child.stop()
         raise
     return child
+
+
+def start_router(config_path: Path, port: int, log_path: Path) -> Child:
+    """`python -m router.cli run --config FILE`, waited for until its public port serves."""
+    argv = (sys.executable, "-m", "router.cli", "run", "--config", str(config_path))
+    return start_server("router", argv, log_path, port)
 
 
 def start_worker(

@@ -65,8 +65,8 @@ from bench.launch import (
     StartFailure,
     free_port,
     raise_fd_limit,
-    start_child,
     start_router,
+    start_server,
     start_worker,
 )
 from bench.peers import PEERS, find_peer, install_missing, proxy_spec, router_config
@@ -197,13 +197,7 @@ class Bench:
         ports = [w.port for w in (self.busy if busy else self.workers)]
         spec = proxy_spec(name, binary, port, ports, folder, self.settings.peer_threads)
         spec.config_path.write_text(spec.config_text)
-        child = start_child(name, spec.argv, folder / f"{name}.log")
-        try:
-            child.wait_for_port(port)
-        except StartFailure:
-            child.stop()
-            raise
-        return child
+        return start_server(name, spec.argv, folder / f"{name}.log", port)
 
     # -- measurements --
 
