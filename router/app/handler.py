@@ -85,6 +85,32 @@ class OnTheLane:
 _ON_THE_LANE: Final = OnTheLane()
 
 
+class FirstAsk:
+    """The callback a first ask's lookup answers (`FleetLink.lookup_then`): the request
+    is settled from there (`PublicHandler.first_ask_answered`). A failure there fails
+    the request's connection as a failed handler task would, not the batch's other
+    callers."""
+
+    __slots__ = ("_exchange", "_handler", "_key", "_kind")
+
+    def __init__(self, handler: PublicHandler, exchange: Exchange, kind: str, key: str) -> None:
+        self._handler = handler
+        self._exchange = exchange
+        self._kind = kind
+        self._key = key
+
+    def __call__(self, found: Lookup) -> None:
+        try:
+            self._handler.first_ask_answered(self._exchange, self._kind, self._key, found)
+        except Exception as error:
+            request = self._exchange.request
+            request.client.carry_on(request, _raise(error))
+
+
+async def _raise(error: Exception) -> None:
+    raise error
+
+
 class PublicHandler(ExchangeOwner):
     """Routes one request at a time; holds no per-request state of its own."""
 
@@ -229,6 +255,13 @@ class PublicHandler(ExchangeOwner):
                 if claim is None and not self.peer_side:
                     found_there = fleet.cached(kind, key)
                     if found_there is None:
+                        # A first ask: the lookup's reply settles it from its own loop
+                        # callback (FirstAsk), no task; a caller that is a coroutine
+                        # awaits it instead.
+                        if lane and fleet.lookup_then(
+                            kind, key, FirstAsk(self, exchange, kind, key)
+                        ):
+                            return _ON_THE_LANE
                         return self._look_up_and_route(exchange, kind, key)
                     # The lookup cache's answer: acted on at once, no task for it, and a
                     # hop to its owner on the relay's lane when it can go at once.
@@ -324,6 +357,23 @@ class PublicHandler(ExchangeOwner):
             await self._forward_and_finish(exchange, step)
         elif step is not None:
             await step
+
+    def first_ask_answered(self, exchange: Exchange, kind: str, key: str, found: Lookup) -> None:
+        """A first ask's lookup answered (`FirstAsk`, from the reply's loop callback): on
+        as `_look_up_and_route` goes, and as `handle` goes with what it settles on (a
+        forward on the relay's lane when it can start at once, else a task)."""
+        request = exchange.request
+        step = self._settle(exchange, kind, key, found, self.core.claims.lookup(kind, key))
+        if isinstance(step, Forward):
+            observer = self._learner(exchange, step.worker)
+            if observer is None and self._start_forward(exchange, step):
+                return  # lane_done finishes it
+            first = self._try_worker(exchange, step, observer)  # in flight now (handle)
+            request.client.carry_on(request, self._forward_and_finish(exchange, step, first))
+        elif step is not None:
+            request.client.carry_on(request, step)
+        else:
+            request.client.finished(request)
 
     def _settle(
         self, exchange: Exchange, kind: str, key: str, found: Lookup, claim: Claim | None

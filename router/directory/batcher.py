@@ -55,8 +55,9 @@ class _Gathered(Generic[R]):
             self.waiter.set_result(cast("list[R | Exception]", self.answers))
 
 
-# Who waits for a key's answer: one `ask` caller's future, or one key of an `ask_each`.
-_Waiter = asyncio.Future[R] | tuple[_Gathered[R], int]
+# Who waits for a key's answer: one `ask` caller's future, one key of an `ask_each`,
+# or an `ask_then` caller's callback.
+_Waiter = asyncio.Future[R] | tuple[_Gathered[R], int] | Callable[[R | Exception], None]
 
 # A send that needs no task: (keys, seconds left, answered) -> whether it sent them.
 Start = Callable[[list[K], float, Callable[[Sequence[R] | Exception], None]], bool]
@@ -104,6 +105,14 @@ class Batcher(Generic[K, R]):
             self._first_at = loop.time()
             loop.call_soon(self._flush)
         return await waiter
+
+    def ask_then(self, key: K, then: Callable[[R | Exception], None]) -> None:
+        """`ask` without a coroutine: `then` gets the answer for `key`, or the error the
+        batch's call raised, from a later loop callback (never from this call)."""
+        loop = asyncio.get_running_loop()
+        if self._pending.add(key, then):
+            self._first_at = loop.time()
+            loop.call_soon(self._flush)
 
     async def ask_each(self, keys: Sequence[K]) -> list[R | Exception]:
         """The answer for each of `keys`, in order, from the next batches (as `ask`
@@ -168,8 +177,11 @@ def _give(results: Sequence[R], waiters: list[list[_Waiter[R]]]) -> None:
             if isinstance(waiter, tuple):
                 gathered, index = waiter
                 gathered.give(index, result)
-            elif not waiter.done():  # a caller that gave up cancelled its own
-                waiter.set_result(result)
+            elif isinstance(waiter, asyncio.Future):
+                if not waiter.done():  # a caller that gave up cancelled its own
+                    waiter.set_result(result)
+            else:
+                waiter(result)
 
 
 class _Answered(Generic[K, R]):
@@ -201,8 +213,11 @@ def _fail(waiters: list[list[_Waiter[R]]], error: Exception) -> None:
             if isinstance(waiter, tuple):
                 gathered, index = waiter
                 gathered.give(index, error)
-            elif not waiter.done():
-                waiter.set_exception(error)
+            elif isinstance(waiter, asyncio.Future):
+                if not waiter.done():
+                    waiter.set_exception(error)
+            else:
+                waiter(error)
 
 
 def _fail_the_rest(waiters: list[list[_Waiter[R]]], name: str, task: asyncio.Task[None]) -> None:

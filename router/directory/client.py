@@ -209,6 +209,13 @@ class Directory:
             return cached
         return await self._lookups.ask((kind, key))
 
+    def lookup_then(
+        self, kind: str, key: str, then: Callable[[KeyLookup | Exception], None]
+    ) -> None:
+        """`lookup_one` without a coroutine, for a key `cached` had no answer for: `then`
+        gets the answer, or the error, from a later loop callback."""
+        self._lookups.ask_then((kind, key), then)
+
     def cached(self, kind: str, key: str) -> KeyLookup | None:
         """The lookup cache's answer for a key, if it holds one that is still good."""
         tracking = self._tracking

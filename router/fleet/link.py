@@ -524,13 +524,33 @@ class FleetLink:
         started = self._clock()
         try:
             found = await self.directory.lookup_one(kind, key)
-        except DirectoryError:
+        except DirectoryError as error:
+            return self.answered(error, epoch, started)
+        return self.answered(found, epoch, started)
+
+    def lookup_then(self, kind: str, key: str, then: Callable[[Lookup], None]) -> bool:
+        """`lookup` without a coroutine: `then` gets what the key means, from a later
+        loop callback. False, and nothing asked, when it cannot go that way (not
+        registered, or the directory's own cache holds the key): then `lookup`."""
+        epoch = self.directory.epoch
+        if epoch is None or self.directory.cached(kind, key) is not None:
+            return False
+        answer = LookupAnswer(self, epoch, self._clock(), then)
+        self.directory.lookup_then(kind, key, answer)
+        return True
+
+    def answered(self, found: KeyLookup | Exception, epoch: int, started: float) -> Lookup:
+        """What a lookup asked at `started` (by the incarnation `epoch`) answered means,
+        counted; a failed one is WITHOUT_AN_ANSWER."""
+        counts = self.counts
+        counts.lookup_seconds_count += 1
+        counts.lookup_seconds_sum += self._clock() - started
+        if isinstance(found, Exception):
+            if not isinstance(found, DirectoryError):
+                log.error("a directory lookup failed unexpectedly: %r", found)
             self._count_error("lookup")
             self._count_lookup(WITHOUT_AN_ANSWER)
             return UNANSWERED
-        finally:
-            self.counts.lookup_seconds_count += 1
-            self.counts.lookup_seconds_sum += self._clock() - started
         meaning = self._meaning(found, epoch)
         self._count_lookup(meaning)
         return Lookup(meaning, found.result)
@@ -577,3 +597,21 @@ class FleetLink:
     def _count_error(self, call: str) -> None:
         errors = self.counts.directory_errors
         errors[call] = errors.get(call, 0) + 1
+
+
+class LookupAnswer:
+    """A `lookup_then` caller's callback, given the directory's answer (or its error)
+    for one key: what it means goes to `then`."""
+
+    __slots__ = ("_epoch", "_link", "_started", "_then")
+
+    def __init__(
+        self, link: FleetLink, epoch: int, started: float, then: Callable[[Lookup], None]
+    ) -> None:
+        self._link = link
+        self._epoch = epoch
+        self._started = started
+        self._then = then
+
+    def __call__(self, found: KeyLookup | Exception) -> None:
+        self._then(self._link.answered(found, self._epoch, self._started))

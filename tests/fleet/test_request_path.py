@@ -209,6 +209,35 @@ async def test_a_forwarded_replys_location_names_the_router_the_client_asked(
             assert reply.headers["Location"] == f"http://127.0.0.1:{port}/next", router_id
 
 
+async def test_first_asks_settled_from_the_lookups_callback_and_a_failure_stays_its_own(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Concurrent first asks on r2 share lookups and are settled from the reply's loop
+    callback (no task each); one whose settling raises fails its own connection, as a
+    failed handler would, and the others of its batch are answered."""
+    mine = [await fleet.episode_on("r1") for _ in range(4)]
+    await settled(fleet)
+    handler = fleet.routers["r2"].handler
+    settle = handler.first_ask_answered
+    failing = mine[0][1]
+
+    def first_ask_answered(exchange: Any, kind: str, key: str, found: Any) -> None:
+        if key == failing:
+            raise RuntimeError("a bug in settling")
+        settle(exchange, kind, key, found)
+
+    monkeypatch.setattr(handler, "first_ask_answered", first_ask_answered)
+    replies = await asyncio.gather(
+        *(fleet.call("r2", tok) for tok, _ in mine), return_exceptions=True
+    )
+    assert isinstance(replies[0], aiohttp.ClientError)  # its connection was dropped
+    assert [r.status for r in replies[1:] if isinstance(r, Reply)] == [200, 200, 200]
+    r2 = fleet.routers["r2"].fleet
+    assert r2 is not None and r2.counts.lookups == {"peer": 4}
+    monkeypatch.undo()
+    assert (await fleet.call("r2", mine[0][0])).status == 200  # from the cached answer
+
+
 async def test_an_absent_key_is_503_while_the_fleet_repopulates_then_401(fleet: Fleet) -> None:
     unknown, key = an_episode("never-claimed")
     first = await fleet.call("r2", unknown)
