@@ -77,7 +77,8 @@ _perf_counter: Final = time.perf_counter
 
 class OnTheLane:
     """What `PublicHandler._route` returns for a request the relay's lane carries on:
-    its callback finishes it (`PublicHandler.hop_done`)."""
+    its callback finishes it (`PublicHandler.hop_done`); or a first ask's lookup
+    (`FirstAsk`)."""
 
     __slots__ = ()
 
@@ -152,7 +153,8 @@ class PublicHandler(ExchangeOwner):
 
         What can be done at once is (the edge's handler contract, `router.edge.server.Handler`):
         an answer of the router's own, and a forward the relay can start without a task
-        (`Forwarder.start`), after which the relay's callback finishes the request. None
+        (`Forwarder.start`), after which the relay's callback finishes the request, and
+        a first ask of the directory (`FirstAsk`: its reply's callback goes on). None
         then, and `request.client.finished()` is called once the reply is out. Anything
         that must wait (a body to read for its session, a new worker connection, a
         reply to stream, a failure to look into) is returned as a coroutine to run.
@@ -218,8 +220,9 @@ class PublicHandler(ExchangeOwner):
         """Where the request goes, from the session read so far; None when the router
         answered it itself (the answer is out and counted); a coroutine that routes it
         once the directory answered, for a key this router's table does not know;
-        `_ON_THE_LANE` for a hop to its owner the relay's lane took (when `lane`: the
-        caller is not a coroutine that would finish the request on its return)."""
+        `_ON_THE_LANE` for a hop to its owner the relay's lane took, or for a first ask
+        its lookup's callback settles (when `lane`: the caller is not a coroutine that
+        would finish the request on its return)."""
         if found is None and self.sessions.reads_paths:
             found = self.sessions.read_path(exchange.route_path, exchange.seeding)
         if isinstance(found, Answer):
