@@ -270,19 +270,25 @@ class Spawner:
 
     async def _term_then_kill(
         self, name: str, pgid: int, gone_by: Callable[[float], Awaitable[bool]]
-    ) -> bool:
+    ) -> None:
         """SIGTERM to process group `pgid`, then SIGKILL if `gone_by(deadline)` says it
-        outlived stop_timeout_s; True when SIGTERM was enough."""
+        outlived stop_timeout_s.
+
+        After SIGKILL it waits again, for at most KILL_WAIT_S: a killed process is not
+        gone at once (it exits on its way out of the kernel), and each member of the
+        group dies on its own, so the group is gone only once `gone_by` says so.
+        """
         _signal_group(pgid, signal.SIGTERM)
         if await gone_by(time.monotonic() + self.spec.stop_timeout_s):
-            return True
+            return
         logger.warning(
             "spawn: worker %s still running %.1f s after SIGTERM; sending SIGKILL",
             name,
             self.spec.stop_timeout_s,
         )
         _signal_group(pgid, signal.SIGKILL)
-        return False
+        if not await gone_by(time.monotonic() + KILL_WAIT_S):
+            logger.error("spawn: worker %s: process group %d survived SIGKILL", name, pgid)
 
     async def _wait_exit_or_stop(
         self, worker: SpawnedWorker, proc: asyncio.subprocess.Process
@@ -315,12 +321,7 @@ class Spawner:
 
     async def _terminate(self, worker: SpawnedWorker, proc: asyncio.subprocess.Process) -> None:
         gone_by = functools.partial(_group_gone_by, proc)
-        if await self._term_then_kill(worker.worker_id, proc.pid, gone_by):
-            return
-        try:
-            await asyncio.wait_for(proc.wait(), KILL_WAIT_S)
-        except TimeoutError:
-            logger.error("spawn: worker %s pid %d survived SIGKILL", worker.worker_id, proc.pid)
+        await self._term_then_kill(worker.worker_id, proc.pid, gone_by)
 
 
 async def _group_gone_by(proc: asyncio.subprocess.Process, deadline: float) -> bool:

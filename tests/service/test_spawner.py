@@ -36,7 +36,8 @@ pytestmark = pytest.mark.timeout(30)
 # A worker: records its pid, process group, session, argv, environment and start time
 # (CLOCK_MONOTONIC, shared by all processes) in <out>/<worker id>-<pid>.json, then sleeps.
 # Modes: "sleep"; "grandchild" (starts a grandchild that exits 0.3 s after SIGTERM,
-# leaving a .clean file); "ignore-term" (ignores SIGTERM, and so does its grandchild).
+# leaving a .clean file); "ignore-term" (ignores SIGTERM, and so does its grandchild, which
+# holds 512 MiB so that it is still dying for a while after SIGKILL).
 WORKER_SCRIPT = """
 import json, os, signal, subprocess, sys, time
 
@@ -46,7 +47,7 @@ if mode == "ignore-term":
 grandchild = None
 if mode in ("grandchild", "ignore-term"):
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grandchild.py")
-    grandchild_mode = "graceful" if mode == "grandchild" else "plain"
+    grandchild_mode = "graceful" if mode == "grandchild" else "heavy"
     grandchild = subprocess.Popen([sys.executable, script, out, grandchild_mode]).pid
     ready = os.path.join(out, "gc-%d.ready" % grandchild)
     deadline = time.monotonic() + 10
@@ -76,6 +77,11 @@ def finish(signum, frame):
 
 if mode == "graceful":
     signal.signal(signal.SIGTERM, finish)
+if mode == "heavy":
+    # Memory to give back makes its exit take a while after SIGKILL (tens of ms).
+    ballast = bytearray(512 * 1024 * 1024)
+    for page in range(0, len(ballast), 4096):
+        ballast[page] = 1
 open(os.path.join(out, "gc-%d.ready" % os.getpid()), "w").close()
 time.sleep(60)
 """
