@@ -180,14 +180,7 @@ class PublicHandler(ExchangeOwner):
                     return None  # a peer hop on the relay's lane: hop_done finishes it
                 if not isinstance(decision, Forward):
                     return decision  # a directory lookup first (design §10)
-                # A reply a learner must see goes the coroutine path (Forwarder.forward).
-                observer = self._learner(exchange, decision.worker)
-                if observer is None and self._start_forward(exchange, decision):
-                    return None  # lane_done finishes it
-                # Counted in flight now, with the decision: the next request the loop
-                # routes before this coroutine runs must see it (workers.pick).
-                first = self._try_worker(exchange, decision, observer)
-                return self._forward_and_finish(exchange, decision, first)
+                return self._forward_now(exchange, decision)
         else:
             self._answer(exchange, refusal)
         request.client.finished(request)
@@ -368,15 +361,27 @@ class PublicHandler(ExchangeOwner):
         request = exchange.request
         step = self._settle(exchange, kind, key, found, self.core.claims.lookup(kind, key))
         if isinstance(step, Forward):
-            observer = self._learner(exchange, step.worker)
-            if observer is None and self._start_forward(exchange, step):
-                return  # lane_done finishes it
-            first = self._try_worker(exchange, step, observer)  # in flight now (handle)
-            request.client.carry_on(request, self._forward_and_finish(exchange, step, first))
+            forwarding = self._forward_now(exchange, step)
+            if forwarding is not None:
+                request.client.carry_on(request, forwarding)
         elif step is not None:
             request.client.carry_on(request, step)
         else:
             request.client.finished(request)
+
+    def _forward_now(
+        self, exchange: Exchange, decision: Forward
+    ) -> Coroutine[Any, Any, None] | None:
+        """Forwards a request `handle` or a first ask's answer decided on: None when the
+        relay's lane took it (`lane_done` finishes it), else the coroutine that forwards
+        it. A reply a learner must see goes the coroutine path (`Forwarder.forward`)."""
+        observer = self._learner(exchange, decision.worker)
+        if observer is None and self._start_forward(exchange, decision):
+            return None
+        # Counted in flight now, with the decision: the next request the loop routes
+        # before this coroutine runs must see it (workers.pick).
+        first = self._try_worker(exchange, decision, observer)
+        return self._forward_and_finish(exchange, decision, first)
 
     def _settle(
         self, exchange: Exchange, kind: str, key: str, found: Lookup, claim: Claim | None

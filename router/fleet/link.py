@@ -482,8 +482,8 @@ class FleetLink:
 
     def cached(self, kind: str, key: str) -> Lookup | None:
         """What a key the local table does not know means, from the lookup cache alone:
-        None when it holds no good answer (then `lookup` asks the directory). Held keys
-        come back only as another router's (PEER)."""
+        None when it holds no answer (then `lookup` or `lookup_then` asks the
+        directory)."""
         epoch = self.directory.epoch
         if epoch is None:
             return None
@@ -491,8 +491,6 @@ class FleetLink:
         if found is None:
             return self._by_prefix(key) if self._prefixes is not None else None
         meaning = self._meaning(found, epoch)
-        if found.result.state is LookupState.HELD and meaning is not RequestMeaning.PEER:
-            return None  # ours, of this incarnation or one before: the directory says
         self._count_lookup(meaning)
         return Lookup(meaning, found.result, cached=True)
 
@@ -516,7 +514,8 @@ class FleetLink:
     async def lookup(self, kind: str, key: str) -> Lookup:
         """What a key the local table does not know means (never raises), for a key
         `cached` had no answer for: asked of the directory, batched with the loop
-        turn's other lookups (`directory_lookup_seconds` times those waits)."""
+        turn's other lookups (`directory_lookup_seconds` times those waits; a lookup
+        cancelled with its request is not timed)."""
         epoch = self.directory.epoch
         if epoch is None:
             self._count_lookup(WITHOUT_AN_ANSWER)
@@ -524,16 +523,16 @@ class FleetLink:
         started = self._clock()
         try:
             found = await self.directory.lookup_one(kind, key)
-        except DirectoryError as error:
+        except Exception as error:  # a DirectoryError, or logged as unexpected
             return self.answered(error, epoch, started)
         return self.answered(found, epoch, started)
 
     def lookup_then(self, kind: str, key: str, then: Callable[[Lookup], None]) -> bool:
-        """`lookup` without a coroutine: `then` gets what the key means, from a later
-        loop callback. False, and nothing asked, when it cannot go that way (not
-        registered, or the directory's own cache holds the key): then `lookup`."""
+        """`lookup` without a coroutine, for a key `cached` had no answer for: `then`
+        gets what the key means, from a later loop callback. False, and nothing asked,
+        when this router is not registered: then `lookup`, which answers at once."""
         epoch = self.directory.epoch
-        if epoch is None or self.directory.cached(kind, key) is not None:
+        if epoch is None:
             return False
         answer = LookupAnswer(self, epoch, self._clock(), then)
         self.directory.lookup_then(kind, key, answer)
