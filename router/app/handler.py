@@ -679,10 +679,30 @@ class PublicHandler(ExchangeOwner):
             if not failure.request_sent:
                 return _UNREACHED
             counts.peer_forward("failed")
-            exchange.answer(owner_failed(failure, key))
+            gone = await self._gone_since(kind, key) if failure.closed_unanswered else None
+            exchange.answer(gone if gone is not None else owner_failed(failure, key))
             return _RELAYED
         counts.peer_forward("forwarded")
         return _RELAYED
+
+    async def _gone_since(self, kind: str, key: str) -> Answer | None:
+        """The 410 of a key whose owner closed a hop's connection before a byte of reply,
+        when the directory says the key is gone now; None (then 502) otherwise.
+
+        A router that stops writes its certificate, then closes its idle peer
+        connections; a hop decided from the lookup cache just before the invalidation
+        came may be on its way on one of them, never read. Sent again it might run
+        twice (the owner may instead have died mid-request), so it is not: but a key
+        whose owner retired or died is 410 fleet-wide whatever became of the request,
+        and that is the answer then."""
+        fleet = self.fleet
+        assert fleet is not None
+        fresh = await fleet.lookup(kind, key)
+        if fresh.meaning is RequestMeaning.WORKER_EXITED or (
+            fresh.meaning is RequestMeaning.EPISODE_ENDED
+        ):
+            return answer_for(fresh.meaning, key, kind in self.core.settings.mcp_kinds)
+        return None
 
     def _peer_upstream(self, address: str) -> Upstream:
         """The peer listener at `address` as the relay pools it (one pool per peer)."""

@@ -22,6 +22,8 @@ from typing import Any, Final, Literal, Protocol, TypeVar
 from aiohttp import hdrs
 from multidict import CIMultiDict
 
+from router.relay.reply_parser import CLOSED_BEFORE_REPLY
+
 __all__ = [
     "ALWAYS_END_TO_END",
     "MAX_CACHED_ROLES",
@@ -192,6 +194,11 @@ class UpstreamFailure(Exception):
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.detail}"
+
+    @property
+    def closed_unanswered(self) -> bool:
+        """Whether the far side closed the connection before a byte of its reply."""
+        return self.kind == "error" and self.detail == CLOSED_BEFORE_REPLY
 
 
 # Exceptions chained to a failure (its cause, their causes) whose tracebacks `as_value`
