@@ -476,7 +476,9 @@ class PublicHandler(ExchangeOwner):
         another process on that address refuses it (410). One nothing of which reached
         the worker (it exited, or its address is gone) goes through its owner's peer
         listener instead, whose table answers (410 for an exited worker); a failure
-        after the request went out is answered as the owner would (502, 504)."""
+        after the request went out is answered as the owner would (502, 504), but a
+        worker that closed the connection unanswered as its owner retired or died
+        (it stops its workers as it stops) gives the key's 410 (`_gone_since`)."""
         fleet = self.fleet
         assert fleet is not None and found.result is not None
         worker = found.result.worker
@@ -515,7 +517,7 @@ class PublicHandler(ExchangeOwner):
                 else:
                     fleet.forget(kind, key)
                     fleet.counts.peer_forward("failed")
-                    exchange.answer(owner_failed(failure, key))
+                    exchange.answer(await self._hop_failed(kind, key, failure))
             else:
                 fleet.counts.peer_forward("direct")
         except BodyBroken as broken:
@@ -679,15 +681,23 @@ class PublicHandler(ExchangeOwner):
             if not failure.request_sent:
                 return _UNREACHED
             counts.peer_forward("failed")
-            gone = await self._gone_since(kind, key) if failure.closed_unanswered else None
-            exchange.answer(gone if gone is not None else owner_failed(failure, key))
+            exchange.answer(await self._hop_failed(kind, key, failure))
             return _RELAYED
         counts.peer_forward("forwarded")
         return _RELAYED
 
+    async def _hop_failed(self, kind: str, key: str, failure: UpstreamFailure) -> Answer:
+        """The answer to a hop that failed after the request went out."""
+        if failure.closed_unanswered:
+            gone = await self._gone_since(kind, key)
+            if gone is not None:
+                return gone
+        return owner_failed(failure, key)
+
     async def _gone_since(self, kind: str, key: str) -> Answer | None:
-        """The 410 of a key whose owner closed a hop's connection before a byte of reply,
-        when the directory says the key is gone now; None (then 502) otherwise.
+        """The 410 of a key whose owner (or, straight, its worker) closed a hop's
+        connection before a byte of reply, when the directory says the key is gone
+        now; None (then 502) otherwise.
 
         A router that stops writes its certificate, then closes its idle peer
         connections; a hop decided from the lookup cache just before the invalidation

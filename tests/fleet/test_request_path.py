@@ -15,7 +15,7 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -494,15 +494,10 @@ async def test_a_cached_peer_answer_whose_owner_retired_but_still_listens_is_410
     assert (relay.lane_started - on_the_lane, relay.lane_handovers - handed_over) == (1, 1)
 
 
-async def test_a_hop_whose_owner_closes_before_replying_is_502_or_410_once_the_owner_retired(
-    fleet: Fleet,
-) -> None:
-    # A router that stops closes its idle peer connections after its certificate: a hop
-    # decided from r2's cache just before the invalidation may meet that close, unread.
-    # Stood for by a "peer" that reads a request and closes without a byte of reply.
-    tok, key = await fleet.episode_on("r1")
-    r1, r2 = fleet.routers["r1"].fleet, fleet.routers["r2"].fleet
-    assert r1 is not None and r2 is not None and r2.tracking is not None
+@contextlib.asynccontextmanager
+async def unanswering_server() -> AsyncIterator[tuple[str, list[bytes]]]:
+    """A server on 127.0.0.1 that reads a request's head and closes the connection
+    without a byte of reply: its host:port, and the heads it read."""
     heads: list[bytes] = []
 
     async def close_unanswered(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -510,37 +505,55 @@ async def test_a_hop_whose_owner_closes_before_replying_is_502_or_410_once_the_o
             heads.append(await reader.readuntil(b"\r\n\r\n"))
         writer.close()
 
-    closer = await asyncio.start_server(close_unanswered, "127.0.0.1", 0)
-    closer_address = f"127.0.0.1:{closer.sockets[0].getsockname()[1]}"
+    server = await asyncio.start_server(close_unanswered, "127.0.0.1", 0)
+    async with server:
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}", heads
+
+
+async def unanswered_then_410(
+    fleet: Fleet, tok: str, key: str, heads: list[bytes], moved: Callable[[Any], Any]
+) -> None:
+    """r2's cached answer for r1's `key` made (by `moved`) to name a server that closes
+    unanswered (`unanswering_server`, its `heads`): 502 while r1 lives, since the request
+    may have run there; once r1 retired (its certificate, as SIGTERM writes it first),
+    the directory's 410. Never sent again. Between processes a request can come before
+    r2 reads Redis's invalidation: the moved answer is put back to stand for that."""
+    r1, r2 = fleet.routers["r1"].fleet, fleet.routers["r2"].fleet
+    assert r1 is not None and r2 is not None and r2.tracking is not None
     cache = r2.tracking.cache
     owner_key = r2.directory.layout.owner("episode", key)
 
-    async def answer_naming_the_closer() -> Any:
-        """r2's cached answer for the key, as a lookup gives it, its peer the closer."""
-        assert (await fleet.call("r2", tok)).worker == "r1-w0"  # r2 looks it up, caches it
-        found = await r2.directory.lookup_one("episode", key)
-        assert found.result.state.value == "held" and found.result.peer is not None
-        moved = dataclasses.replace(
-            found, result=dataclasses.replace(found.result, peer=closer_address)
-        )
-        cache.store([owner_key], [moved], cache.generation, asyncio.get_running_loop().time())
-        return moved
+    def store(answer: Any) -> None:
+        cache.store([owner_key], [answer], cache.generation, asyncio.get_running_loop().time())
 
-    async with closer:
-        # Its owner live: the request may have run there, so it is not sent again: 502.
-        await answer_naming_the_closer()
-        (await fleet.call("r2", tok)).assert_answer(502, "upstream_error", key)
-        assert len(heads) == 1
-        # Its owner retired (the certificate, as SIGTERM writes it first): the
-        # directory's 410, and still not sent again. Between processes the request can
-        # come before r2 reads Redis's invalidation: the answer is put back to stand
-        # for that.
-        stale = await answer_naming_the_closer()
-        await r1.stop()
-        cache.store([owner_key], [stale], cache.generation, asyncio.get_running_loop().time())
-        (await fleet.call("r2", tok)).assert_answer(410, "worker_exited", key)
-        assert len(heads) == 2
-        assert r2.counts.peer_forwards.get("failed", 0) == 2
+    store(moved(await r2.directory.lookup_one("episode", key)))
+    (await fleet.call("r2", tok)).assert_answer(502, "upstream_error", key)
+    assert len(heads) == 1
+    stale = moved(await r2.directory.lookup_one("episode", key))
+    await r1.stop()
+    store(stale)
+    (await fleet.call("r2", tok)).assert_answer(410, "worker_exited", key)
+    assert len(heads) == 2
+
+
+async def test_a_hop_whose_owner_closes_before_replying_is_502_or_410_once_the_owner_retired(
+    fleet: Fleet,
+) -> None:
+    # A router that stops closes its idle peer connections after its certificate: a hop
+    # decided from r2's cache just before the invalidation may meet that close, unread.
+    tok, key = await fleet.episode_on("r1")
+    assert (await fleet.call("r2", tok)).worker == "r1-w0"  # r2 looked it up
+    async with unanswering_server() as (address, heads):
+
+        def to_the_closer(found: Any) -> Any:
+            assert found.result.state.value == "held" and found.result.peer is not None
+            return dataclasses.replace(
+                found, result=dataclasses.replace(found.result, peer=address)
+            )
+
+        await unanswered_then_410(fleet, tok, key, heads, to_the_closer)
+    r2 = fleet.routers["r2"].fleet
+    assert r2 is not None and r2.counts.peer_forwards.get("failed", 0) == 2
 
 
 async def test_a_directory_that_lost_its_data_is_repopulated_from_the_routers_tables(

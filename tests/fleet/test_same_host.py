@@ -9,20 +9,29 @@ this folder's pod-like tests turn it off).
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
 from router.config import Config, ListenConfig
+from router.directory import OwnerWorker
 from router.fleet import PEER_HEADER
 from tests.app.test_learning import KINDS
 from tests.directory import conftest as directory_fixtures
 from tests.directory.conftest import RedisServer
-from tests.fleet.test_request_path import Fleet, an_episode, two_routers
+from tests.fleet.test_request_path import (
+    Fleet,
+    an_episode,
+    two_routers,
+    unanswered_then_410,
+    unanswering_server,
+)
 from tests.router_fixtures import BOOT_HEADER, TOKEN_HEADER, EchoWorker, wait_until
 
 redis_server = directory_fixtures.redis_server  # the directory tests' own redis-server fixture
@@ -237,3 +246,23 @@ async def test_a_request_whose_reply_teaches_the_owners_table_goes_through_the_o
         # A close route naming no session of its kind (no cookie) ends nothing: straight.
         assert (await fleet.call("r2", tok, "/close_session")).worker == "r1-w0"
         assert forwards(fleet, "r2") == {"direct": 2, "forwarded": 1}
+
+
+async def test_a_worker_that_closes_unanswered_is_502_or_410_once_its_router_retired(
+    fleet: Fleet, redis_server: RedisServer
+) -> None:
+    # A router that stops stops its workers after its certificate; a straight forward
+    # decided from the other router's cache just before the invalidation may meet a
+    # worker's close of its idle connection.
+    _, tok, key = await reached_straight(fleet, redis_server)
+    async with unanswering_server() as (address, heads):
+
+        def to_the_closer(found: Any) -> Any:
+            assert found.result.worker is not None
+            closer = OwnerWorker(f"http://{address}", found.result.worker.boot)
+            return dataclasses.replace(
+                found, result=dataclasses.replace(found.result, worker=closer)
+            )
+
+        await unanswered_then_410(fleet, tok, key, heads, to_the_closer)
+    assert forwards(fleet, "r2") == {"direct": 1, "failed": 2}
