@@ -478,7 +478,7 @@ class PublicHandler(ExchangeOwner):
         listener instead, whose table answers (410 for an exited worker); a failure
         after the request went out is answered as the owner would (502, 504), but a
         worker that closed the connection unanswered as its owner retired or died
-        (it stops its workers as it stops) gives the key's 410 (`_gone_since`)."""
+        (it stops its workers as it stops) gives the key's 410 (`_hop_failed`)."""
         fleet = self.fleet
         assert fleet is not None and found.result is not None
         worker = found.result.worker
@@ -516,7 +516,6 @@ class PublicHandler(ExchangeOwner):
                     await self._forward_to_peer(exchange, kind, key, found, None, None)
                 else:
                     fleet.forget(kind, key)
-                    fleet.counts.peer_forward("failed")
                     exchange.answer(await self._hop_failed(kind, key, failure))
             else:
                 fleet.counts.peer_forward("direct")
@@ -680,39 +679,33 @@ class PublicHandler(ExchangeOwner):
                 return _NOT_OWNER
             if not failure.request_sent:
                 return _UNREACHED
-            counts.peer_forward("failed")
             exchange.answer(await self._hop_failed(kind, key, failure))
             return _RELAYED
         counts.peer_forward("forwarded")
         return _RELAYED
 
     async def _hop_failed(self, kind: str, key: str, failure: UpstreamFailure) -> Answer:
-        """The answer to a hop that failed after the request went out."""
-        if failure.closed_unanswered:
-            gone = await self._gone_since(kind, key)
-            if gone is not None:
-                return gone
-        return owner_failed(failure, key)
-
-    async def _gone_since(self, kind: str, key: str) -> Answer | None:
-        """The 410 of a key whose owner (or, straight, its worker) closed a hop's
-        connection before a byte of reply, when the directory says the key is gone
-        now; None (then 502) otherwise.
+        """The answer to a hop (to the owner, or straight to its worker) that failed
+        after the request went out, counted: 502 or 504, or the key's 410 when the far
+        side closed the connection before a byte of reply and the directory says the
+        key is gone now.
 
         A router that stops writes its certificate, then closes its idle peer
-        connections; a hop decided from the lookup cache just before the invalidation
-        came may be on its way on one of them, never read. Sent again it might run
-        twice (the owner may instead have died mid-request), so it is not: but a key
-        whose owner retired or died is 410 fleet-wide whatever became of the request,
-        and that is the answer then."""
+        connections (and stops its workers); a hop decided from the lookup cache just
+        before the invalidation came may be on its way on one of them, never read.
+        Sent again it might run twice (the owner may instead have died mid-request),
+        so it is not: but a key whose owner retired or died is 410 fleet-wide whatever
+        became of the request, and that is the answer then."""
         fleet = self.fleet
         assert fleet is not None
-        fresh = await fleet.lookup(kind, key)
-        if fresh.meaning is RequestMeaning.WORKER_EXITED or (
-            fresh.meaning is RequestMeaning.EPISODE_ENDED
-        ):
-            return answer_for(fresh.meaning, key, kind in self.core.settings.mcp_kinds)
-        return None
+        fleet.counts.peer_forward("failed")
+        if failure.closed_unanswered:
+            meaning = (await fleet.lookup(kind, key)).meaning
+            if meaning is RequestMeaning.WORKER_EXITED or meaning is RequestMeaning.EPISODE_ENDED:
+                gone = answer_for(meaning, key, kind in self.core.settings.mcp_kinds)
+                assert gone is not None
+                return gone
+        return owner_failed(failure, key)
 
     def _peer_upstream(self, address: str) -> Upstream:
         """The peer listener at `address` as the relay pools it (one pool per peer)."""

@@ -101,16 +101,17 @@ class Batcher(Generic[K, R]):
         or the error the batch's call raised (DirectoryTimeout past the deadline)."""
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[R] = loop.create_future()
-        if self._pending.add(key, waiter):
-            self._first_at = loop.time()
-            loop.call_soon(self._flush)
+        self._wait(loop, key, waiter)
         return await waiter
 
     def ask_then(self, key: K, then: Callable[[R | Exception], None]) -> None:
         """`ask` without a coroutine: `then` gets the answer for `key`, or the error the
         batch's call raised, from a later loop callback (never from this call)."""
-        loop = asyncio.get_running_loop()
-        if self._pending.add(key, then):
+        self._wait(asyncio.get_running_loop(), key, then)
+
+    def _wait(self, loop: asyncio.AbstractEventLoop, key: K, waiter: _Waiter[R]) -> None:
+        """`waiter` waits for `key`; the first key since the last flush schedules one."""
+        if self._pending.add(key, waiter):
             self._first_at = loop.time()
             loop.call_soon(self._flush)
 
