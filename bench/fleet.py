@@ -30,12 +30,15 @@ round, medians over the rounds) it measures:
    a process here: the part of a serial first ask that is the round trip's;
 3. peer-forwarded against direct: serial p50 through B (forwarded to A) and through A,
    each minus the worker's own p50, and the CPU per request of A + B against A's,
-   serially and under the same closed-loop load; and the same through C (straight to
-   A's worker), with the CPU of A + C;
+   serially and under the same closed-loop load; the direct requests once more at the
+   forwarded pace (the client pausing, after each reply, the forwarded request's extra
+   latency), so that A idles as long between requests as the chain's routers do; and
+   the same through C (straight to A's worker), with the CPU of A + C;
 4. two routers on one host against one: the closed loop split over A (on H) and B (on
    H_B) against all of it on A: requests per second and CPU per request;
 5. from `kill -9` of a router, and from its SIGTERM, to a 410 for its key on A (polled
-   every 50 ms), one fresh victim router per measurement.
+   every 50 ms), one fresh victim router per measurement, with every answer's status
+   and the router's error code on the way (the "answers:" line).
 
 Redis commands are counted with MONITOR (a connection of this process), by command and,
 for EVALSHA, by the directory's script; the heartbeat, the sweep, the membership read
@@ -407,10 +410,12 @@ def wait_for_ended(redis_port: int, keys: Sequence[str], timeout_s: float) -> No
 
 
 def serial_statuses(
-    port: int, requests: Sequence[bytes], count: int
+    port: int, requests: Sequence[bytes], count: int, pause_s: float = 0.0
 ) -> tuple[list[int], Counter[int]]:
     """`count` requests one after another on one keep-alive connection: each latency (ns)
-    and the statuses (a connection the router closes is opened again)."""
+    and the statuses (a connection the router closes is opened again). With `pause_s`,
+    the client spins that long after each reply before the next request (a spin, not a
+    sleep: a sleep this short overshoots by the timer's slack, tens of µs)."""
     latencies: list[int] = []
     statuses: Counter[int] = Counter()
     clock = time.perf_counter_ns
@@ -432,10 +437,36 @@ def serial_statuses(
                     break
             latencies.append(clock() - started)
             statuses[parser.statuses[-1]] += 1
+            if pause_s:
+                until = time.perf_counter() + pause_s
+                while time.perf_counter() < until:
+                    pass
     finally:
         if sock is not None:
             sock.close()
     return latencies, statuses
+
+
+_ERROR_CODE = re.compile(rb'"error":\s*"([a-z_]+)"')
+
+
+def one_answer(port: int, request: bytes) -> str:
+    """One request on a connection of its own: its status, and the router's error code
+    for an answer of its own ("503 owner_unreachable"), read from the JSON body."""
+    parser = load.ReplyParser()
+    data = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise OSError("the router closed the connection under a request")
+            data += chunk
+            if parser.feed(chunk):
+                break
+    status = parser.statuses[-1]
+    found = _ERROR_CODE.search(data) if status >= 400 else None
+    return f"{status} {found.group(1).decode()}" if found else str(status)
 
 
 def start_reference(folder: Path, mode: str, redis_port: int) -> Child:
@@ -518,6 +549,7 @@ class FleetBench:
         self.log = CommandLog(redis_port)
         self.samples = Samples()
         self.statuses: dict[str, Counter[int]] = {}
+        self.answers: dict[str, Counter[str]] = {}  # by status and error code
         self.commands: Counter[str] = Counter()  # non-background commands during load runs
         self._cold_count = 0
         self.last_requests = 0  # answered in the last closed-loop sample
@@ -688,6 +720,17 @@ class FleetBench:
             p50s[via] = load.percentile(sorted(ns[s.serial_warmup :]), 0.5) / 1000
         direct, hop = p50s["A"] - p50s["worker"], p50s["B"] - p50s["worker"]
         straight = p50s["C"] - p50s["worker"]
+        # The direct requests again, the client pausing after each reply for as long as
+        # a forwarded request takes longer: each router then idles between its requests
+        # as long as A and B do in the chain. A process that idles longer wakes to colder
+        # caches and pays more CPU a request for the same work (docs/performance.md,
+        # "Serial figures and idle time"); this pass shows that share of the ratio.
+        requests = [load.build_request(t, self.port("A")) for t in tokens]
+        before = self.cpu("A", "B")
+        serial_statuses(self.port("A"), requests, count, max(0.0, hop - direct) / 1e6)
+        paced = (self.cpu("A", "B") - before) / count * 1e6
+        self.samples.add("direct paced serial cpu", paced)
+        self.samples.add("forwarded paced cpu ratio", ratio(cpu["B"], paced))
         self.samples.add("direct added p50", direct)
         self.samples.add("forwarded added p50", hop)
         self.samples.add("forwarded p50 ratio", ratio(hop, direct))
@@ -773,12 +816,12 @@ class FleetBench:
             else:
                 victim.router.process.send_signal(how)
             deadline = killed_at + KILL_TIMEOUT_FACTOR * s.lease_s + 5
-            seen: Counter[int] = Counter()
+            seen: Counter[str] = Counter()
             while time.monotonic() < deadline:
-                _, statuses = serial_statuses(self.port("A"), [request], 1)
-                seen.update(statuses)
-                if statuses[410]:
-                    self.statuses[f"A after {how.name} of {name}"] = seen
+                answer = one_answer(self.port("A"), request)
+                seen[answer] += 1
+                if answer.startswith("410"):
+                    self.answers[f"A after {how.name} of {name}"] = seen
                     return time.monotonic() - killed_at
                 time.sleep(POLL_S)
             raise RuntimeError(f"no 410 within {deadline - killed_at:.1f} s: {dict(seen)}")
@@ -851,6 +894,10 @@ def rows_of(bench: FleetBench, full: bool) -> list[Row]:
         Row("3", "direct: Redis lookups per request (on A)", m("A serial lookups"), ""),
         Row("3", "forwarded / direct, CPU per request", m("forwarded cpu ratio"), "x", "<= 2.2",
             judged(m("forwarded cpu ratio"), lambda v: v <= 2.2)),
+        Row("3", "direct at the forwarded pace: CPU per serial request (A)",
+            m("direct paced serial cpu"), "us", "", None, "client pauses the hop's extra latency"),
+        Row("3", "forwarded / direct at the same pace, CPU per request",
+            m("forwarded paced cpu ratio"), "x"),
         Row("3", "direct: CPU per request under load (A)", m("direct load cpu"), "us"),
         Row("3", "forwarded: CPU per request under load (A + B)", m("forwarded load cpu"), "us"),
         Row("3", "forwarded / direct, CPU per request under load", m("forwarded load cpu ratio"),
@@ -915,6 +962,7 @@ def run_fleet(settings: Settings, say: Callable[[str], None] = print) -> list[Ro
     rows = rows_of(bench, full)
     say(format_rows(rows))
     say("statuses: " + "; ".join(f"{k}: {dict(v)}" for k, v in bench.statuses.items()))
+    say("answers: " + "; ".join(f"{k}: {dict(v)}" for k, v in bench.answers.items()))
     say("Redis commands during load runs: " + str(dict(bench.commands)))
     say(f"load: {bench.loader.tool}, {settings.connections} connections, {settings.load_s:g} s; "
         f"{settings.episodes} episodes per set; {settings.rounds} rounds (medians); "

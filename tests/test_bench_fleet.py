@@ -68,7 +68,7 @@ def test_a_quick_run_prints_every_row_with_sane_figures() -> None:
     redis_server_binary()  # fails with the package to install when it is missing
     printed: list[str] = []
     rows = run_fleet(Settings.quick(episodes=32, cold_requests=50), printed.append)
-    assert len(rows) == 48
+    assert len(rows) == 50
     for row in rows:
         assert row.value is not None and math.isfinite(row.value), row
         assert row.met is None or row.name.startswith("Redis commands") or row.item == "2"
@@ -97,4 +97,7 @@ def test_a_quick_run_prints_every_row_with_sane_figures() -> None:
     statuses = next(line for line in printed if line.startswith("statuses: "))
     assert "A absent: {401: 32}" in statuses and "A ended: {410: 32}" in statuses
     assert "C held: {200: 32}" in statuses
+    # After each death the last answer is the router's own 410, read with its code.
+    answers = next(line for line in printed if line.startswith("answers: "))
+    assert answers.count("'410 worker_exited': 1") == 2, answers
     assert any("item figure" in line for line in printed)

@@ -698,13 +698,14 @@ class PublicHandler(ExchangeOwner):
         became of the request, and that is the answer then."""
         fleet = self.fleet
         assert fleet is not None
-        fleet.counts.peer_forward("failed")
         if failure.closed_unanswered:
             meaning = (await fleet.lookup(kind, key)).meaning
             if meaning is RequestMeaning.WORKER_EXITED or meaning is RequestMeaning.EPISODE_ENDED:
                 gone = answer_for(meaning, key, kind in self.core.settings.mcp_kinds)
                 assert gone is not None
+                fleet.counts.peer_forward("owner_gone")  # answered, not a failure
                 return gone
+        fleet.counts.peer_forward("failed")
         return owner_failed(failure, key)
 
     def _peer_upstream(self, address: str) -> Upstream:

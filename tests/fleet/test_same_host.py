@@ -265,4 +265,4 @@ async def test_a_worker_that_closes_unanswered_is_502_or_410_once_its_router_ret
             )
 
         await unanswered_then_410(fleet, tok, key, heads, to_the_closer)
-    assert forwards(fleet, "r2") == {"direct": 1, "failed": 2}
+    assert forwards(fleet, "r2") == {"direct": 1, "failed": 1, "owner_gone": 1}
