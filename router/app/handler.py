@@ -592,20 +592,23 @@ class PublicHandler(ExchangeOwner):
         header: str | None,
     ) -> None:
         """The hop to the router that holds `key`. A peer that answers 421 `not_owner`
-        (it registered again since the lookup) is never relayed: the client gets 503
-        `recovering`, and its retry's lookup finds the key's new owner, or that it is
-        dead. A cached answer whose owner cannot be reached, or answers 421, is asked
-        of the directory once more (nothing was relayed): its owner may have stopped
-        since, and the key be 410 already. Only a request nothing of which went out
-        is sent again, to the owner the directory names now."""
+        (it is no longer the incarnation the lookup named) is never relayed, and the
+        directory is asked once more, whether the answer came from the cache or from
+        Redis just now: the owner may have retired between the lookup and the hop
+        (SIGTERM's certificate comes first, then its peer listener answers 421), and
+        the key be 410 already; when the directory still names a live owner, the
+        client gets 503 `recovering` and its retry's lookup finds the key's new owner.
+        A cached answer whose owner cannot be reached is asked again too (its owner
+        may have stopped since). Only a request nothing of which went out is sent
+        again, to the owner the directory names now."""
         fleet = self.fleet
         assert fleet is not None
         if started is None:
             hop = await self._hop(exchange, kind, key, found, header)
         else:
             hop = await self._hop_outcome(exchange, kind, key, started)
-        if hop != _RELAYED and found.cached:
-            fresh = await fleet.lookup(kind, key)  # the cached answer was dropped
+        if hop == _NOT_OWNER or (hop == _UNREACHED and found.cached):
+            fresh = await fleet.lookup(kind, key)  # the answer that named it was dropped
             if fresh.meaning is RequestMeaning.PEER:
                 if hop == _UNREACHED:
                     hop = await self._hop(exchange, kind, key, fresh)

@@ -313,6 +313,49 @@ async def test_a_live_owner_that_cannot_be_reached_is_503_then_410_once_its_leas
     assert r2 is not None and r2.counts.peer_forwards.get("owner_unreachable", 0) >= 1
 
 
+async def test_an_owner_that_retires_between_the_lookup_and_the_hop_is_410_not_503(
+    fleet: Fleet, redis_server: RedisServer
+) -> None:
+    # SIGTERM's certificate can land after another router's lookup (from Redis, not the
+    # cache) named the owner, and before that router's hop arrives: the retired owner
+    # answers 421. The directory is asked again, and its 410 is the answer.
+    hops: list[bytes] = []
+
+    async def retire_then_421(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        hops.append(head)
+        length = next(
+            (int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+             if line.startswith(b"content-length:")),
+            0,
+        )  # fmt: skip
+        await reader.readexactly(length)
+        await ghost.retire("sigterm")  # the certificate, as SIGTERM writes it first
+        body = b'{"error":"not_owner","message":"not the incarnation the hop named"}'
+        writer.write(
+            b"HTTP/1.1 421 Misdirected Request\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(retire_then_421, "127.0.0.1", 0)
+    async with server:
+        address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        ghost = Directory(
+            open_redis(redis_server.url),
+            DirectorySettings(router_id="ghost", peer_address=address, lease_ttl_s=LEASE_S),
+        )
+        await ghost.register()
+        tok, key = an_episode("retiring")
+        (outcome,) = await ghost.claim([("episode", key)])
+        assert outcome.verdict.value == "ok"
+        (await fleet.call("r2", tok)).assert_answer(410, "worker_exited", key)
+    assert len(hops) == 1  # never sent again
+    r2 = fleet.routers["r2"].fleet
+    assert r2 is not None and r2.counts.peer_forwards.get("not_owner", 0) == 0  # no 503
+
+
 async def test_the_peer_listener_takes_only_signed_hops_for_this_incarnation(
     fleet: Fleet,
 ) -> None:
