@@ -477,7 +477,7 @@ class PublicHandler(ExchangeOwner):
         the worker (it exited, or its address is gone) goes through its owner's peer
         listener instead, whose table answers (410 for an exited worker); a failure
         after the request went out is answered as the owner would (502, 504), but a
-        worker that closed the connection unanswered as its owner retired or died
+        worker that closed (or reset) the connection unanswered as its owner retired or died
         (it stops its workers as it stops) gives the key's 410 (`_hop_failed`)."""
         fleet = self.fleet
         assert fleet is not None and found.result is not None
@@ -606,7 +606,9 @@ class PublicHandler(ExchangeOwner):
         if started is None:
             hop = await self._hop(exchange, kind, key, found, header)
         else:
-            hop = await self._hop_outcome(exchange, kind, key, started)
+            assert found.result is not None and found.result.peer
+            peer = self._peer_upstream(found.result.peer)
+            hop = await self._hop_outcome(exchange, kind, key, peer, started)
         if hop == _NOT_OWNER or (hop == _UNREACHED and found.cached):
             fresh = await fleet.lookup(kind, key)  # the answer that named it was dropped
             if fresh.meaning is RequestMeaning.PEER:
@@ -650,18 +652,24 @@ class PublicHandler(ExchangeOwner):
             header = self._hop_header(exchange, kind, key, found)
         _continue_if_expected(request)
         hop = PeerHop(self, exchange, kind, key, found)
+        peer = self._peer_upstream(found.result.peer)
         forward = self.forwarder.forward(
             request,
-            self._peer_upstream(found.result.peer),
+            peer,
             extra_headers={PEER_HEADER: header},
             public_base=None,
             body=exchange.body,
             observer=hop,
         )
-        return await self._hop_outcome(exchange, kind, key, forward)
+        return await self._hop_outcome(exchange, kind, key, peer, forward)
 
     async def _hop_outcome(
-        self, exchange: Exchange, kind: str, key: str, forward: Coroutine[Any, Any, int]
+        self,
+        exchange: Exchange,
+        kind: str,
+        key: str,
+        peer: Upstream,
+        forward: Coroutine[Any, Any, int],
     ) -> str:
         """What one hop's `forward` came to: its answer relayed as it is (`_RELAYED`, a
         failure after the request went out included), but for its 421 `not_owner`
@@ -682,32 +690,43 @@ class PublicHandler(ExchangeOwner):
                 return _NOT_OWNER
             if not failure.request_sent:
                 return _UNREACHED
-            exchange.answer(await self._hop_failed(kind, key, failure))
+            exchange.answer(await self._hop_failed(kind, key, failure, peer))
             return _RELAYED
         counts.peer_forward("forwarded")
         return _RELAYED
 
-    async def _hop_failed(self, kind: str, key: str, failure: UpstreamFailure) -> Answer:
-        """The answer to a hop (to the owner, or straight to its worker) that failed
-        after the request went out, counted: 502 or 504, or the key's 410 when the far
-        side closed the connection before a byte of reply and the directory says the
-        key is gone now.
+    async def _hop_failed(
+        self, kind: str, key: str, failure: UpstreamFailure, peer: Upstream | None = None
+    ) -> Answer:
+        """The answer to a hop (to the owner's `peer` listener, or straight to its
+        worker) that failed after the request went out, counted: 502 or 504; or, when
+        the far side's connection ended before its reply's head (closed before a byte
+        of it, or reset), the key's 410 if the directory says the key is gone now, else
+        503 `owner_unreachable` if the owner's peer listener no longer takes a
+        connection.
 
         A router that stops writes its certificate, then closes its idle peer
         connections (and stops its workers); a hop decided from the lookup cache just
         before the invalidation came may be on its way on one of them, never read.
         Sent again it might run twice (the owner may instead have died mid-request),
         so it is not: but a key whose owner retired or died is 410 fleet-wide whatever
-        became of the request, and that is the answer then."""
+        became of the request, and that is the answer then. An owner killed as the hop
+        reached it (its kernel closes or resets the connection) is not dead to the
+        directory until its lease lapses: its listener refuses a new connection
+        (nothing is sent on it), and the answer is the one any request gets while that
+        lease runs, 503 then 410, not 502."""
         fleet = self.fleet
         assert fleet is not None
-        if failure.closed_unanswered:
+        if failure.ended_unanswered:
             meaning = (await fleet.lookup(kind, key)).meaning
             if meaning is RequestMeaning.WORKER_EXITED or meaning is RequestMeaning.EPISODE_ENDED:
                 gone = answer_for(meaning, key, kind in self.core.settings.mcp_kinds)
                 assert gone is not None
                 fleet.counts.peer_forward("owner_gone")  # answered, not a failure
                 return gone
+            if peer is not None and not await self.forwarder.accepts_connections(peer):
+                fleet.counts.peer_forward("owner_unreachable")
+                return owner_unreachable(key)
         fleet.counts.peer_forward("failed")
         return owner_failed(failure, key)
 

@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Final, cast
 
-from router.relay.reply_parser import ReplyParser
+from router.relay.reply_parser import CONNECTION_BROKE, ReplyParser
 
 __all__ = [
     "INTERRUPTED",
@@ -161,7 +161,7 @@ class WorkerConnection(asyncio.Protocol):
             self.reply.feed_eof()
         else:
             # A reset is no end of a reply, not even of one whose body ends at close.
-            self.reply.feed_reset(f"its connection broke ({exc})")
+            self.reply.feed_reset(f"{CONNECTION_BROKE} ({exc})")
         self._wake(WOKE)
         if self._timer is not None:
             self._timer.cancel()  # it holds this connection until it fires

@@ -22,7 +22,7 @@ from typing import Any, Final, Literal, Protocol, TypeVar
 from aiohttp import hdrs
 from multidict import CIMultiDict
 
-from router.relay.reply_parser import CLOSED_BEFORE_REPLY
+from router.relay.reply_parser import CLOSED_BEFORE_REPLY, CONNECTION_BROKE
 
 __all__ = [
     "ALWAYS_END_TO_END",
@@ -196,9 +196,12 @@ class UpstreamFailure(Exception):
         return f"{self.kind}: {self.detail}"
 
     @property
-    def closed_unanswered(self) -> bool:
-        """Whether the far side closed the connection before a byte of its reply."""
-        return self.kind == "error" and self.detail == CLOSED_BEFORE_REPLY
+    def ended_unanswered(self) -> bool:
+        """Whether the far side's connection ended before its reply's head: closed
+        before a byte of it, or reset (a process killed with the request unread)."""
+        if self.kind != "error":
+            return False
+        return self.detail == CLOSED_BEFORE_REPLY or self.detail.startswith(CONNECTION_BROKE)
 
 
 # Exceptions chained to a failure (its cause, their causes) whose tracebacks `as_value`

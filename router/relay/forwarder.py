@@ -164,6 +164,18 @@ class Forwarder(LaneOwner):
         finally:
             self._let_go(exchange)
 
+    async def accepts_connections(self, upstream: Upstream) -> bool:
+        """Whether `upstream` takes a new connection now, within the connect timeout,
+        nothing sent on it: after a forward failed, it tells a far side that is gone
+        (refused, or no answer) from one that is up and failed the request."""
+        try:
+            pool = self._pool_for(upstream)
+        except UpstreamFailure:  # shutting down, or an address it cannot reach
+            return False
+        loop = self._loop
+        assert loop is not None
+        return await pool.connects(loop.time() + self._timeouts.connect_s)
+
     def start(
         self,
         request: PublicRequest,

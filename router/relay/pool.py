@@ -185,6 +185,18 @@ class WorkerPool(ConnectionOwner):
             raise PoolClosed
         return await self._open(deadline)
 
+    async def connects(self, deadline: float) -> bool:
+        """Whether the worker takes a new connection by `deadline` (loop time): a probe
+        outside the pool's places, closed at once with nothing written on it."""
+        probe = asyncio.Protocol()
+        try:
+            async with asyncio.timeout_at(deadline):
+                transport = await self._connect(probe)
+        except (OSError, TimeoutError):
+            return False
+        transport.close()
+        return True
+
     def release(self, conn: WorkerConnection) -> None:
         """Takes back `conn` after a complete exchange: to a waiting request, else idle.
         A connection that cannot carry another exchange is closed instead."""
@@ -276,26 +288,26 @@ class WorkerPool(ConnectionOwner):
         self._connections.add(conn)
         return conn
 
-    async def _connect(self, conn: WorkerConnection) -> None:
+    async def _connect(self, conn: asyncio.Protocol) -> asyncio.BaseTransport:
         address, loop = self.address, self._loop
         if address.unix_path is not None:
-            await loop.create_unix_connection(lambda: conn, address.unix_path)
-            return
+            transport, _ = await loop.create_unix_connection(lambda: conn, address.unix_path)
+            return transport
         host = address.tcp_host
         assert host is not None
         if address.tcp_literal:
-            await loop.create_connection(lambda: conn, host, address.tcp_port)
-            return
+            transport, _ = await loop.create_connection(lambda: conn, host, address.tcp_port)
+            return transport
         # A name: each address in turn, so the error kept is a real connect error with its
         # errno (asyncio folds several failures into one errno-less OSError).
         infos = await loop.getaddrinfo(host, address.tcp_port, type=socket.SOCK_STREAM)
         error: OSError = OSError(f"no address for {host}")
         for family, _, _, _, sockaddr in infos:
             try:
-                await loop.create_connection(
+                transport, _ = await loop.create_connection(
                     lambda: conn, str(sockaddr[0]), int(sockaddr[1]), family=family
                 )
-                return
+                return transport
             except OSError as exc:
                 error = exc
         raise error

@@ -17,7 +17,14 @@ from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
 
 from router.edge import content_length_number
 
-__all__ = ["CLOSED_BEFORE_REPLY", "MAX_REPLY_FIELD", "MAX_REPLY_HEAD", "SWITCHED", "ReplyParser"]
+__all__ = [
+    "CLOSED_BEFORE_REPLY",
+    "CONNECTION_BROKE",
+    "MAX_REPLY_FIELD",
+    "MAX_REPLY_HEAD",
+    "SWITCHED",
+    "ReplyParser",
+]
 
 # A reply header line from a worker may be this long: workers are our own processes and a
 # large Set-Cookie or MCP header must pass, but a runaway one still fails the reply.
@@ -37,6 +44,7 @@ _HTTP_11_STATUS: Final = b"HTTP/1.1 "
 _CR: Final = 13
 _LF: Final = 10
 CLOSED_BEFORE_REPLY = "it closed the connection before replying"
+CONNECTION_BROKE = "its connection broke"  # a reset: the start of the reply's `broken`
 SWITCHED = "it switched protocols, which is not forwarded"
 
 

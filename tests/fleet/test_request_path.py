@@ -13,6 +13,8 @@ import contextlib
 import dataclasses
 import secrets
 import shutil
+import socket
+import struct
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
@@ -602,6 +604,48 @@ async def test_a_hop_whose_owner_closes_before_replying_is_502_or_410_once_the_o
         1,
         1,
     )
+
+
+@pytest.mark.parametrize("ending", ["close", "reset"])
+async def test_a_hop_whose_owner_dies_as_it_reads_it_is_503_owner_unreachable_not_502(
+    fleet: Fleet, ending: str
+) -> None:
+    # kill -9 of the owner as a hop reaches it: its kernel closes the peer connection
+    # unanswered, or resets it (the request unread: the one a full bench.fleet run met),
+    # its listener is gone, and the directory still names it live until its lease lapses.
+    # The request may have run, so it is not sent again; the answer is the one every
+    # request gets while that lease runs (503, then 410), not 502.
+    tok, key = await fleet.episode_on("r1")
+    assert (await fleet.call("r2", tok)).worker == "r1-w0"  # r2 looked it up
+    heads: list[bytes] = []
+    listening: list[asyncio.Server] = []
+
+    async def dies_reading(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            heads.append(await reader.readuntil(b"\r\n\r\n"))
+        listening[0].close()  # nothing listens any more, then the connection ends
+        if ending == "reset":
+            linger = struct.pack("ii", 1, 0)  # a close that sends RST
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+        writer.close()
+
+    server = await asyncio.start_server(dies_reading, "127.0.0.1", 0)
+    listening.append(server)
+    address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    r2 = fleet.routers["r2"].fleet
+    assert r2 is not None and r2.tracking is not None
+    cache = r2.tracking.cache
+    found = await r2.directory.lookup_one("episode", key)
+    assert found.result.state.value == "held"
+    moved = dataclasses.replace(found, result=dataclasses.replace(found.result, peer=address))
+    owner_key = r2.directory.layout.owner("episode", key)
+    cache.store([owner_key], [moved], cache.generation, asyncio.get_running_loop().time())
+    (await fleet.call("r2", tok)).assert_answer(503, "owner_unreachable", key)
+    assert len(heads) == 1  # sent once, never again
+    counts = r2.counts.peer_forwards
+    assert (counts.get("owner_unreachable"), counts.get("failed")) == (1, None)
+    await server.wait_closed()
+    assert (await fleet.call("r2", tok)).worker == "r1-w0"  # the directory's own answer
 
 
 async def test_a_directory_that_lost_its_data_is_repopulated_from_the_routers_tables(

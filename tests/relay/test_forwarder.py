@@ -232,6 +232,31 @@ async def test_a_post_on_a_stale_connection_is_never_retried(stack: AsyncExitSta
     assert (worker.connections, len(worker.requests)) == (1, 2)
 
 
+async def test_a_probe_tells_an_upstream_that_takes_connections_from_one_that_is_gone(
+    stack: AsyncExitStack,
+) -> None:
+    # After a forward failed: nothing is written on the probe's connection, and it is
+    # not kept (the worker sees a connection with no request, then its close).
+    ref: list[ScriptedWorker] = []
+    worker = ScriptedWorker(answering(ref, [OK]))
+    ref.append(worker)
+    upstream = await worker.start(stack)
+    forwarder = Forwarder(TIMEOUTS)
+    stack.push_async_callback(forwarder.close)
+    assert await forwarder.accepts_connections(upstream)
+    for _ in range(50):  # the worker's side of the probe: accepted, nothing read, closed
+        if worker.connections:
+            break
+        await asyncio.sleep(0.01)
+    assert (worker.connections, worker.requests) == (1, [])
+    assert worker.server is not None
+    worker.server.close()
+    await worker.server.wait_closed()
+    assert not await forwarder.accepts_connections(upstream)  # refused
+    gone = Upstream("w2", "unix:///nonexistent/episode-router-probe.sock")
+    assert not await forwarder.accepts_connections(gone)
+
+
 async def test_a_fresh_connection_closed_before_replying_is_not_retried(
     stack: AsyncExitStack,
 ) -> None:
