@@ -59,7 +59,9 @@ def open_redis(target: str | SentinelTarget, password: str | None = None) -> Red
     """A client for `target` (AUTH with `password` when given); it connects on its
     first command."""
     if isinstance(target, SentinelTarget):
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        # redis-py types Sentinel's constructor from 8.2 on and not before (the package
+        # takes >= 5.0): the ignore serves the older ones and is unused on the newer.
+        sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
             list(target.nodes),
             socket_connect_timeout=CONNECT_TIMEOUT_S,
             sentinel_kwargs={"socket_connect_timeout": CONNECT_TIMEOUT_S},
