@@ -20,7 +20,13 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from bench.procstat import descendants, rss_bytes, tree_cpu_seconds, tree_cpu_split_seconds
+from bench.procstat import (
+    descendants,
+    rss_bytes,
+    tree_cpu_seconds,
+    tree_cpu_split_seconds,
+    tree_run_seconds,
+)
 
 __all__ = [
     "ROOT",
@@ -106,6 +112,11 @@ class Child:
     def cpu_seconds(self) -> float:
         """CPU time (user + system) used so far by it and its descendants."""
         return tree_cpu_seconds(self.pids())
+
+    def run_seconds(self) -> float:
+        """CPU time it and its descendants have run so far, to the nanosecond: for
+        spans too short for /proc's clock ticks (a few hundred serial requests)."""
+        return tree_run_seconds(self.pids())
 
     def cpu_split_seconds(self) -> tuple[float, float]:
         """User and system time used so far by it and its descendants."""

@@ -22,8 +22,10 @@ __all__ = [
     "parse_status_kib",
     "peak_rss_bytes",
     "rss_bytes",
+    "run_seconds",
     "tree_cpu_seconds",
     "tree_cpu_split_seconds",
+    "tree_run_seconds",
 ]
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # utime and stime are counted in these
@@ -144,6 +146,11 @@ def descendants(pid: int) -> list[int]:
 def tree_cpu_seconds(pids: Iterable[int]) -> float:
     """The CPU time used by all of `pids`, summed."""
     return sum(cpu_seconds(pid) for pid in pids)
+
+
+def tree_run_seconds(pids: Iterable[int]) -> float:
+    """The CPU time all of `pids` have run, summed, to the nanosecond (schedstat)."""
+    return sum(run_seconds(pid) for pid in pids)
 
 
 def tree_cpu_split_seconds(pids: Iterable[int]) -> tuple[float, float]:
