@@ -43,8 +43,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from router.directory.settings import DEFAULT_LOOKUP_TIMEOUT_MS  # noqa: E402
+from tests.directory.conftest import RedisServer  # noqa: E402
 from tests.e2e.conftest import Launcher  # noqa: E402
-from tests.fleet.rig import Fleet, FleetClient, redis_on_a_fixed_port  # noqa: E402
+from tests.fleet.rig import Fleet, FleetClient  # noqa: E402
 
 GATE_ENV = "EPISODE_ROUTER_STRESS"
 ROUTERS = 3
@@ -179,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     root = Path(tempfile.mkdtemp(prefix="episode-router-fleet-"))
-    redis = redis_on_a_fixed_port(root)
+    redis = RedisServer(root)
     launcher = Launcher(root)
     fleet = Fleet(launcher, redis)
     # The router's default, not the fleet tests' roomier one: this run is about the product.

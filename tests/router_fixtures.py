@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import secrets
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -59,7 +58,6 @@ __all__ = [
     "Reply",
     "Rig",
     "episode_key",
-    "free_port",
     "open_rig",
     "pattern_sha256",
     "pattern_stream",
@@ -124,13 +122,6 @@ async def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         await asyncio.sleep(0.02)
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # --- replies ----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Real Redis servers for the directory's tests: Debian's `redis-server`, started here.
 
-Each `redis_server` is a process of its own on a free loopback port and a Unix socket,
+Each `redis_server` is a process of its own on a free loopback port (below the
+ephemeral range: `tests/e2e/ports.py`) and a Unix socket,
 with nothing persisted (`--save '' --appendonly no`), stopped by its pid at the end of
 the test (resumed first if a test paused it). Without `redis-server` the tests fail
 and name the Debian package; they never skip.
@@ -11,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,6 +23,7 @@ import redis
 from redis.asyncio import Redis
 
 from router.directory import Directory, DirectorySettings, open_redis
+from tests.e2e.ports import free_port
 
 START_TIMEOUT_S = 10.0  # a loaded 2-core machine starts redis-server in well under a second
 
@@ -35,13 +36,6 @@ def redis_server_binary() -> str:
             "(`apt-get install redis-server`; scripts/test does it) to run the directory's tests"
         )
     return found
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class RedisServer:

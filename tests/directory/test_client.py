@@ -27,7 +27,8 @@ from router.directory import (
     Standing,
     open_redis,
 )
-from tests.directory.conftest import RedisServer, directory_for, free_port, settings
+from tests.directory.conftest import RedisServer, directory_for, settings
+from tests.e2e.ports import free_port
 
 
 async def test_concurrent_lookups_of_one_loop_turn_are_one_script_call(

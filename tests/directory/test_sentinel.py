@@ -28,10 +28,10 @@ from router.directory import (
 from tests.directory.conftest import (
     START_TIMEOUT_S,
     RedisServer,
-    free_port,
     redis_server_binary,
     settings,
 )
+from tests.e2e.ports import free_port
 
 MASTER = "directory"
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.router_fixtures import free_port, open_rig, router_config, token
+from tests.e2e.ports import free_port
+from tests.router_fixtures import open_rig, router_config, token
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

@@ -20,10 +20,8 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +37,8 @@ import pytest
 import yaml
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from .ports import free_port  # relative: scripts import this module as `e2e.conftest`
+
 SKIP_CLAIM = os.environ.get("E2E_WORKERS_SKIP_CLAIM") == "1"
 TOKEN_HEADER = "X-NeMo-Gym-Episode-Token"
 LOOPBACK = "127.0.0.1"
@@ -47,50 +47,8 @@ STOP_TIMEOUT_S = 5.0  # SIGTERM gets this long before SIGKILL
 POLL_S = 0.05
 REQUEST_TIMEOUT_S = 10.0
 TAIL_LINES = 25
-PORTS_FROM = 20000  # the first port handed out to routers and workers
 
 # --- ports and processes ------------------------------------------------------------------------
-
-
-def _ephemeral_low() -> int:
-    """Where the kernel's range for outgoing connections starts."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-# Listening ports come from below the range outgoing connections take theirs from: an
-# outgoing connection (the tests make thousands) could otherwise take a port between the
-# check and the bind, or while a killed router or worker is down and about to come back.
-PORTS_TO = max(_ephemeral_low(), PORTS_FROM + 10000)  # a range starting low: share it
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback TCP port nothing listens on, outside the ephemeral range."""
-    return free_port_range(1)
-
-
-def free_port_range(count: int) -> int:
-    """The first of `count` consecutive loopback ports nothing listens on (each is bound
-    once to check it, then released), outside the ephemeral range."""
-    for _ in range(200):
-        base = random.randrange(PORTS_FROM, PORTS_TO - count)
-        ports = range(base, base + count)
-        if _handed_out.isdisjoint(ports) and all(_bindable(port) for port in ports):
-            _handed_out.update(ports)
-            return base
-    raise AssertionError(f"no {count} consecutive free loopback ports found")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((LOOPBACK, port))
-        except OSError:
-            return False
-    return True
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:

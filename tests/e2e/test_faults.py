@@ -19,6 +19,7 @@ import pytest
 
 from router.client import ControlClient, ControlError
 from router.tokens import SigningKey, mint_token, new_nonce, parse_token
+from tests.e2e.ports import free_port
 
 from .conftest import (
     Http,
@@ -28,7 +29,6 @@ from .conftest import (
     add,
     assert_router_answer,
     call_tool,
-    free_port,
     get,
     served_problem,
     start_episode,

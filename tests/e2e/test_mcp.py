@@ -50,6 +50,8 @@ from mcp_types import CallToolResult
 from mcp_types.version import LATEST_HANDSHAKE_VERSION, LATEST_MODERN_VERSION
 from multidict import CIMultiDict
 
+from tests.e2e.ports import free_port, free_port_range
+
 from .conftest import (
     LOOPBACK,
     REQUEST_TIMEOUT_S,
@@ -62,8 +64,6 @@ from .conftest import (
     Router,
     Worker,
     assert_router_answer,
-    free_port,
-    free_port_range,
     get_json,
     wait_until,
 )

@@ -29,7 +29,9 @@ import aiohttp
 import pytest
 import yaml
 
-from .conftest import LOOPBACK, Launcher, Router, free_port, free_port_range
+from tests.e2e.ports import free_port, free_port_range
+
+from .conftest import LOOPBACK, Launcher, Router
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "guides" / "nemo-gym.md"

@@ -33,6 +33,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.tokens import SigningKey, mint_token, new_nonce
+from tests.e2e.ports import free_port
 
 from .conftest import (
     LOOPBACK,
@@ -46,7 +47,6 @@ from .conftest import (
     add,
     assert_router_answer,
     call_tool,
-    free_port,
     get,
     get_json,
     served_problem,

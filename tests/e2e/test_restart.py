@@ -26,6 +26,8 @@ import aiohttp
 import pytest
 import yaml
 
+from tests.e2e.ports import free_port_range
+
 from .conftest import (
     LOOPBACK,
     START_TIMEOUT_S,
@@ -39,7 +41,6 @@ from .conftest import (
     child_pids,
     cmdline,
     demo_worker_command,
-    free_port_range,
     get,
     pid_alive,
     start_episode,

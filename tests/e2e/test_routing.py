@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.ports import free_port, free_port_range
+
 from .conftest import (
     START_TIMEOUT_S,
     Episode,
@@ -30,8 +32,6 @@ from .conftest import (
     assert_router_answer,
     call_tool,
     clean_env,
-    free_port,
-    free_port_range,
     get_json,
     pid_alive,
     served_problem,

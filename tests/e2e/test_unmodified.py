@@ -36,6 +36,8 @@ import pytest
 import yaml
 from itsdangerous import TimestampSigner, URLSafeSerializer
 
+from tests.e2e.ports import free_port
+
 from .conftest import (
     LOOPBACK,
     START_TIMEOUT_S,
@@ -45,7 +47,6 @@ from .conftest import (
     Reply,
     Router,
     assert_router_answer,
-    free_port,
     get_json,
     wait_until,
 )

@@ -21,7 +21,7 @@ from tests.e2e.conftest import (  # the e2e fixture and the hook that adds stder
     launcher,
     pytest_runtest_makereport,
 )
-from tests.fleet.rig import Fleet, redis_on_a_fixed_port
+from tests.fleet.rig import Fleet
 
 __all__ = ["launcher", "pytest_runtest_makereport"]
 
@@ -30,7 +30,7 @@ __all__ = ["launcher", "pytest_runtest_makereport"]
 def fleet_redis() -> Iterator[RedisServer]:
     # A short folder of its own: a Unix socket path must fit in 108 bytes.
     folder = Path(tempfile.mkdtemp(prefix="er-fleet-"))
-    server = redis_on_a_fixed_port(folder)
+    server = RedisServer(folder)  # below the ephemeral range: a restart gets its port back
     try:
         server.start()
         yield server

@@ -51,10 +51,9 @@ from tests.e2e.conftest import (
     Launcher,
     Process,
     demo_worker_command,
-    free_port,
-    free_port_range,
     wait_until,
 )
+from tests.e2e.ports import free_port, free_port_range
 
 LEASE_S = 2.0  # short, so a lapse is seconds; the heartbeat runs every third of it
 HEARTBEAT_S = LEASE_S / 3
@@ -84,14 +83,6 @@ def free_port_on(host: str) -> int:
                 continue
             return port
     raise AssertionError(f"no free port on {host}")
-
-
-def redis_on_a_fixed_port(folder: Path) -> RedisServer:
-    """A `RedisServer` on a port outside the ephemeral range: after a kill it comes back
-    on the same port, which no router's outgoing connection may have taken meanwhile."""
-    server = RedisServer(folder)
-    server.port = free_port()
-    return server
 
 
 @dataclass(frozen=True, slots=True)

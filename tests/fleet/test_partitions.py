@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from tests.directory.conftest import RedisServer
-from tests.e2e.conftest import Launcher, free_port, wait_until
+from tests.e2e.conftest import Launcher, wait_until
 from tests.fleet.netns import Network
 from tests.fleet.rig import (
     HEARTBEAT_S,
@@ -54,7 +54,6 @@ def bridged_redis(network: Network) -> Iterator[RedisServer]:
     folder = Path(tempfile.mkdtemp(prefix="er-part-"))
     extra = ("--bind", f"127.0.0.1 {network.gateway}", "--protected-mode", "no")
     server = RedisServer(folder, extra)
-    server.port = free_port()
     try:
         server.start()
         yield server

@@ -17,12 +17,12 @@ from aiohttp import web
 
 from router.config import HealthConfig, StaticWorkerConfig
 from router.service.health import probe_connect
+from tests.e2e.ports import free_port
 from tests.metrics.test_registry import scrape, series
 from tests.router_fixtures import (
     BOOT_HEADER,
     EchoWorker,
     Rig,
-    free_port,
     open_rig,
     router_config,
     token,

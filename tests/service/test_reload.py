@@ -31,12 +31,12 @@ from router.core.claims import ClaimState
 from router.core.workers import WorkerOrigin, WorkerState
 from router.service import router_service as router_service_module
 from router.service.reload import effective_config, plan_reload
+from tests.e2e.ports import free_port
 from tests.metrics.test_registry import scrape, series
 from tests.router_fixtures import (
     EchoWorker,
     RawLease,
     Rig,
-    free_port,
     open_rig,
     router_config,
     token,

@@ -27,6 +27,7 @@ from router.config import AdminConfig, HealthConfig, ListenConfig, SpawnConfig, 
 from router.service import journal as journal_module
 from router.service import spawner as spawn_module
 from router.service.router_service import RouterService
+from tests.e2e.ports import free_port
 from tests.metrics.test_registry import scrape, series
 from tests.router_fixtures import (
     BOOT_HEADER,
@@ -34,7 +35,6 @@ from tests.router_fixtures import (
     RawHttp,
     RawLease,
     Rig,
-    free_port,
     open_rig,
     router_config,
     token,
