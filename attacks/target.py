@@ -20,8 +20,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"  # the e2e helpers are imported as the suite imports them
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
+for folder in (ROOT, TESTS):  # and `bench`, whose port picker the e2e helpers use
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 from e2e.conftest import LOOPBACK, Launcher, Router, free_port  # noqa: E402
 

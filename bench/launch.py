@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import select
 import signal
 import socket
@@ -33,6 +34,7 @@ __all__ = [
     "Child",
     "StartFailure",
     "free_port",
+    "free_port_range",
     "quiet_router_warnings",
     "raise_fd_limit",
     "start_child",
@@ -65,11 +67,53 @@ def quiet_router_warnings() -> Iterator[None]:
         router_log.setLevel(level)
 
 
+# Listening ports come from below the kernel's range for outgoing connections, and none
+# is handed out twice by one process. A port found by binding port 0 comes from that
+# range: a test's or a run's own connections (thousands) can take it between the check
+# and the server's bind, or while a killed server is about to come back on it, and two
+# probes in a row can be handed the same port (a run met it: a router's peer listener
+# and its admin port named one port).
+PORTS_FROM = 20000  # the first port handed out
+
+
+def _ephemeral_low() -> int:
+    """Where the kernel's range for outgoing connections starts."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+PORTS_TO = max(_ephemeral_low(), PORTS_FROM + 10000)  # a range starting low: share it
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback TCP port free now (another process may still take it first)."""
+    """A loopback TCP port nothing listens on, outside the ephemeral range, not handed
+    out before by this process."""
+    return free_port_range(1)
+
+
+def free_port_range(count: int) -> int:
+    """The first of `count` consecutive loopback ports nothing listens on (each is bound
+    once to check it, then released), outside the ephemeral range, none handed out
+    before by this process."""
+    for _ in range(200):
+        base = random.randrange(PORTS_FROM, PORTS_TO - count)
+        ports = range(base, base + count)
+        if _handed_out.isdisjoint(ports) and all(_bindable(port) for port in ports):
+            _handed_out.update(ports)
+            return base
+    raise AssertionError(f"no {count} consecutive free loopback ports found")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def raise_fd_limit(wanted: int) -> int:

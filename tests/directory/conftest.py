@@ -1,7 +1,7 @@
 """Real Redis servers for the directory's tests: Debian's `redis-server`, started here.
 
 Each `redis_server` is a process of its own on a free loopback port (below the
-ephemeral range: `tests/e2e/ports.py`) and a Unix socket,
+ephemeral range: `bench.launch.free_port`) and a Unix socket,
 with nothing persisted (`--save '' --appendonly no`), stopped by its pid at the end of
 the test (resumed first if a test paused it). Without `redis-server` the tests fail
 and name the Debian package; they never skip.
@@ -22,8 +22,8 @@ import pytest
 import redis
 from redis.asyncio import Redis
 
+from bench.launch import free_port
 from router.directory import Directory, DirectorySettings, open_redis
-from tests.e2e.ports import free_port
 
 START_TIMEOUT_S = 10.0  # a loaded 2-core machine starts redis-server in well under a second
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
+from bench.launch import free_port
 from router.directory import (
     BreakerState,
     CircuitBreaker,
@@ -28,7 +29,6 @@ from router.directory import (
     open_redis,
 )
 from tests.directory.conftest import RedisServer, directory_for, settings
-from tests.e2e.ports import free_port
 
 
 async def test_concurrent_lookups_of_one_loop_turn_are_one_script_call(

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from bench.launch import free_port
 from router.directory import (
     ClaimOutcome,
     ClaimVerdict,
@@ -31,7 +32,6 @@ from tests.directory.conftest import (
     redis_server_binary,
     settings,
 )
-from tests.e2e.ports import free_port
 
 MASTER = "directory"
 

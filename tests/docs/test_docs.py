@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.ports import free_port
+from bench.launch import free_port
 from tests.router_fixtures import open_rig, router_config, token
 
 ROOT = Path(__file__).resolve().parents[2]

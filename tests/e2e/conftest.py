@@ -37,7 +37,7 @@ import pytest
 import yaml
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from .ports import free_port  # relative: scripts import this module as `e2e.conftest`
+from bench.launch import free_port  # the one port picker (scripts put the repository on sys.path)
 
 SKIP_CLAIM = os.environ.get("E2E_WORKERS_SKIP_CLAIM") == "1"
 TOKEN_HEADER = "X-NeMo-Gym-Episode-Token"

@@ -17,9 +17,9 @@ import time
 import aiohttp
 import pytest
 
+from bench.launch import free_port
 from router.client import ControlClient, ControlError
 from router.tokens import SigningKey, mint_token, new_nonce, parse_token
-from tests.e2e.ports import free_port
 
 from .conftest import (
     Http,

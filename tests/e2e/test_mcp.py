@@ -50,7 +50,7 @@ from mcp_types import CallToolResult
 from mcp_types.version import LATEST_HANDSHAKE_VERSION, LATEST_MODERN_VERSION
 from multidict import CIMultiDict
 
-from tests.e2e.ports import free_port, free_port_range
+from bench.launch import free_port, free_port_range
 
 from .conftest import (
     LOOPBACK,

@@ -29,7 +29,7 @@ import aiohttp
 import pytest
 import yaml
 
-from tests.e2e.ports import free_port, free_port_range
+from bench.launch import free_port, free_port_range
 
 from .conftest import LOOPBACK, Launcher, Router
 

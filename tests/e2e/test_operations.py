@@ -32,8 +32,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.launch import free_port
 from router.tokens import SigningKey, mint_token, new_nonce
-from tests.e2e.ports import free_port
 
 from .conftest import (
     LOOPBACK,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.ports import free_port, free_port_range
+from bench.launch import free_port, free_port_range
 
 from .conftest import (
     START_TIMEOUT_S,

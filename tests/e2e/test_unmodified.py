@@ -36,7 +36,7 @@ import pytest
 import yaml
 from itsdangerous import TimestampSigner, URLSafeSerializer
 
-from tests.e2e.ports import free_port
+from bench.launch import free_port
 
 from .conftest import (
     LOOPBACK,

@@ -44,6 +44,7 @@ import redis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.launch import free_port, free_port_range
 from tests.directory.conftest import RedisServer
 from tests.e2e.conftest import (
     START_TIMEOUT_S,
@@ -53,7 +54,6 @@ from tests.e2e.conftest import (
     demo_worker_command,
     wait_until,
 )
-from tests.e2e.ports import free_port, free_port_range
 
 LEASE_S = 2.0  # short, so a lapse is seconds; the heartbeat runs every third of it
 HEARTBEAT_S = LEASE_S / 3

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from bench.launch import free_port
 from router.config import HealthConfig, StaticWorkerConfig
 from router.service.health import probe_connect
-from tests.e2e.ports import free_port
 from tests.metrics.test_registry import scrape, series
 from tests.router_fixtures import (
     BOOT_HEADER,

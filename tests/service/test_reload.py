@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.launch import free_port
 from router.config import (
     Config,
     ConfigError,
@@ -31,7 +32,6 @@ from router.core.claims import ClaimState
 from router.core.workers import WorkerOrigin, WorkerState
 from router.service import router_service as router_service_module
 from router.service.reload import effective_config, plan_reload
-from tests.e2e.ports import free_port
 from tests.metrics.test_registry import scrape, series
 from tests.router_fixtures import (
     EchoWorker,

@@ -23,11 +23,11 @@ from typing import Any
 
 import pytest
 
+from bench.launch import free_port
 from router.config import AdminConfig, HealthConfig, ListenConfig, SpawnConfig, StateConfig
 from router.service import journal as journal_module
 from router.service import spawner as spawn_module
 from router.service.router_service import RouterService
-from tests.e2e.ports import free_port
 from tests.metrics.test_registry import scrape, series
 from tests.router_fixtures import (
     BOOT_HEADER,
