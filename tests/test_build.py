@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from router.build import build_name, compiled, stale_extensions
 
@@ -127,3 +130,42 @@ def test_the_profile_guided_builds_training_runs_are_ones_the_benchmark_takes(
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "(200 requests," in result.stdout
+
+
+def _pins() -> dict[str, Version]:
+    """constraints.txt's pins, by canonical name."""
+    pins: dict[str, Version] = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        requirement = Requirement(text)
+        (specifier,) = requirement.specifier  # one exact pin a line
+        assert specifier.operator == "==", f"not an exact pin: {line!r}"
+        name = canonicalize_name(requirement.name)
+        assert name not in pins, f"pinned twice: {name}"
+        pins[name] = Version(specifier.version)
+    return pins
+
+
+def test_every_requirement_is_pinned_where_scripts_test_installs_it() -> None:
+    """scripts/test installs at constraints.txt's versions (its build environment too):
+    each requirement of the package, its test extra and its build has a pin there that
+    the requirement takes, so a fresh clone's run is the one CI ran."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    wanted = [
+        *pyproject["build-system"]["requires"],
+        *pyproject["project"]["dependencies"],
+        *pyproject["project"]["optional-dependencies"]["test"],
+    ]
+    pins = _pins()
+    for text in wanted:
+        requirement = Requirement(text)
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{text!r} has no pin in constraints.txt"
+        assert requirement.specifier.contains(pins[name], prereleases=True), (
+            f"constraints.txt pins {name}=={pins[name]}, which {text!r} does not take"
+        )
+    assert 'PIP_CONSTRAINT="$PWD/constraints.txt"' in (ROOT / "scripts" / "test").read_text()
