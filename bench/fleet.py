@@ -20,7 +20,7 @@ An absent set X is never claimed. The default workload is 4,096 live episodes in
 set, requests rotating over all of them. In interleaved rounds (every figure once a
 round, medians over the rounds) it measures:
 
-1. local hits: A's and L's CPU per request (utime + stime from /proc) under the same
+1. local hits: A's and L's CPU per request (schedstat, from /proc) under the same
    closed-loop load on H, and the Redis commands sent meanwhile;
 2. misses: A's CPU per request on X (401 after a lookup) and on E (410) minus L's per
    local 401 on the same tokens, warm (the lookup cache answers) and cold (fresh absent
@@ -588,7 +588,9 @@ class FleetBench:
         return self.sets[name].router.port
 
     def cpu(self, *names: str) -> float:
-        return sum(self.sets[name].router.cpu_seconds() for name in names)
+        """The CPU time the routers `names` have run, to the nanosecond (schedstat: a
+        quick run's serial passes can take less than one of /proc's clock ticks)."""
+        return sum(self.sets[name].router.run_seconds() for name in names)
 
     # -- one closed-loop sample --
 
