@@ -55,7 +55,9 @@ for folder in (ROOT, APP_DIR):  # and `bench`, whose port picker the e2e helpers
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from e2e.conftest import LOOPBACK, Launcher, Router, free_port  # noqa: E402
+from e2e.conftest import LOOPBACK, Launcher, Router  # noqa: E402
+
+from bench.launch import free_port  # noqa: E402
 
 GATE_ENV = "EPISODE_ROUTER_ATTACK"
 PHASES = (

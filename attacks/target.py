@@ -24,7 +24,9 @@ for folder in (ROOT, TESTS):  # and `bench`, whose port picker the e2e helpers u
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from e2e.conftest import LOOPBACK, Launcher, Router, free_port  # noqa: E402
+from e2e.conftest import LOOPBACK, Launcher, Router  # noqa: E402
+
+from bench.launch import free_port  # noqa: E402
 
 __all__ = ["LOOPBACK", "Launcher", "Router"]
 

@@ -58,11 +58,12 @@ from e2e.conftest import (  # noqa: E402
     Launcher,
     Process,
     Router,
-    free_port,
     get_json,
     wait_until,
 )
 from e2e.starlette_app import SECRET_ENV, SESSION_COOKIE, SESSION_FIELD  # noqa: E402
+
+from bench.launch import free_port  # noqa: E402
 
 GATE_ENV = "EPISODE_ROUTER_STRESS"
 EPISODES = 4000
